@@ -1,0 +1,39 @@
+"""celery_dlock: Celery tasks that run one at a time, per task or per resource, cluster-wide.
+
+Public names are the ones imported here; everything else is internal.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from celery_dlock.config import DLockConfigWarning
+from celery_dlock.errors import (
+    ConfigError,
+    DLockError,
+    LockContended,
+    LockLost,
+    LockUnavailable,
+)
+from celery_dlock.holder import Holder
+from celery_dlock.lease import Lease
+from celery_dlock.lock import LockGuard, lock
+
+try:
+    __version__ = version("celery-dlock")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "ConfigError",
+    "DLockConfigWarning",
+    "DLockError",
+    "Holder",
+    "Lease",
+    "LockContended",
+    "LockGuard",
+    "LockLost",
+    "LockUnavailable",
+    "__version__",
+    "lock",
+]

@@ -1,0 +1,236 @@
+"""Settings: read once from ``app.conf`` (or given as URLs), validated, with clear errors.
+
+Every ``dlock_*`` setting is optional except where no Redis URL can be found at all:
+
+================================  ===========  ==============================================
+setting                           default      meaning
+================================  ===========  ==============================================
+``dlock_urls``                    broker URL   one URL = single Redis; three or more = Redlock
+``dlock_ttl``                     30           lease length in seconds, renewed while held
+``dlock_prefix``                  ``"dlock"``  prefix of every Redis key the library writes
+``dlock_node_timeout``            0.5          seconds one Redis node may take to answer
+``dlock_drift_factor``            0.01         clock drift allowance, as a fraction of the ttl
+``dlock_fence_retention``         2592000      seconds a key's fence counter is kept unused
+================================  ===========  ==============================================
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from celery_dlock.errors import ConfigError
+
+DEFAULT_TTL = 30.0
+DEFAULT_PREFIX = "dlock"
+DEFAULT_NODE_TIMEOUT = 0.5
+DEFAULT_DRIFT_FACTOR = 0.01
+DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
+#: Longest user key accepted as is; longer keys should be hashed (task keys are, automatically).
+MAX_KEY_LENGTH = 1024
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+class DLockConfigWarning(UserWarning):
+    """A setting works but is probably not what was meant (e.g. an even number of nodes)."""
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by ``***``, safe for logs and error messages."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if _port_or_none(parts) else "")
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _port_or_none(parts: Any) -> int | None:
+    try:
+        port: int | None = parts.port
+    except ValueError:
+        return None
+    return port
+
+
+def _server_identity(url: str, setting: str) -> tuple[str, ...]:
+    """Which server a URL points at, to catch two URLs naming one server; raises on a bad URL."""
+    shown = redact(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"{setting}: {shown!r} is not a URL ({exc}).") from None
+    scheme = parts.scheme.lower()
+    if scheme not in REDIS_SCHEMES:
+        raise ConfigError(
+            f"{setting}: {shown!r} has scheme {parts.scheme!r}; use redis://host:port/db, "
+            "rediss:// for TLS, or unix:///path/to/socket."
+        )
+    if scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"{setting}: {shown!r} names no socket path (unix:///path).")
+        return ("unix", parts.path)
+    if not parts.hostname:
+        raise ConfigError(f"{setting}: {shown!r} names no host; write redis://host:6379/0.")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise ConfigError(f"{setting}: {shown!r} has a port that is not a number.") from None
+    db = parts.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ConfigError(
+            f"{setting}: {shown!r} has database {unquote(db)!r}; the path must be a number."
+        )
+    return ("tcp", parts.hostname.lower(), str(port))
+
+
+def quorum(n: int) -> int:
+    """Nodes that must agree: a strict majority."""
+    return n // 2 + 1
+
+
+def check_urls(urls: Any, setting: str = "dlock_urls") -> tuple[str, ...]:
+    """Validate a URL list: non-empty, well-formed, one URL per server, never exactly two."""
+    if isinstance(urls, str):
+        urls = [urls]
+    if not isinstance(urls, Sequence) or isinstance(urls, bytes):
+        raise ConfigError(
+            f"{setting} must be a list of Redis URLs, not {type(urls).__name__} ({urls!r})."
+        )
+    if not urls:
+        raise ConfigError(
+            f"{setting} is empty: give one Redis URL for a single instance, or three or more "
+            "independent masters for Redlock."
+        )
+    seen: dict[tuple[str, ...], str] = {}
+    for url in urls:
+        if not isinstance(url, str):
+            raise ConfigError(f"{setting}: {url!r} is a {type(url).__name__}, not a URL string.")
+        ident = _server_identity(url, setting)
+        if ident in seen:
+            raise ConfigError(
+                f"{setting}: {redact(url)!r} and {redact(seen[ident])!r} name the same Redis "
+                "server; Redlock needs independent masters (different databases of one server "
+                "fail together)."
+            )
+        seen[ident] = url
+    n = len(urls)
+    if n == 2:
+        raise ConfigError(
+            f"{setting} has two URLs: a Redlock quorum is 2 of 2, so losing either node stops "
+            "every lock; it survives no failure. Use one URL (single Redis) or three or more."
+        )
+    if n > 2 and n % 2 == 0:
+        warnings.warn(
+            f"{setting} has {n} nodes: the quorum is {quorum(n)}, which tolerates "
+            f"{n - quorum(n)} failed node(s), no more than {n - 1} nodes would. An odd count "
+            "gives the same safety for fewer servers.",
+            DLockConfigWarning,
+            stacklevel=3,
+        )
+    return tuple(urls)
+
+
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """A positive (or non-negative) finite number of seconds, else a ConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number of seconds, not {value!r}.")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be {bound} seconds, got {value!r}.")
+    return seconds
+
+
+def check_key(key: Any) -> str:
+    if not isinstance(key, str):
+        raise TypeError(
+            f"lock key must be a str, not {type(key).__name__} ({key!r}); build it with an "
+            'f-string, e.g. f"meta:{source}:{entity}".'
+        )
+    if not key:
+        raise ConfigError("lock key is empty; give a name such as 'replicate' or 'meta:s:e'.")
+    if len(key) > MAX_KEY_LENGTH:
+        raise ConfigError(
+            f"lock key is {len(key)} characters, over the {MAX_KEY_LENGTH} limit; hash the "
+            f"variable part (hashlib.sha256(...).hexdigest()). Key starts {key[:60]!r}."
+        )
+    return key
+
+
+def check_renew_interval(renew_interval: Any, ttl: float) -> float:
+    """``renew_interval`` must leave time to renew before the ttl runs out; default ttl / 3."""
+    if renew_interval is None:
+        return ttl / 3.0
+    interval = check_seconds("renew_interval", renew_interval)
+    if interval >= ttl:
+        raise ConfigError(
+            f"renew_interval ({interval:g} s) must be shorter than the ttl ({ttl:g} s), or the "
+            f"lease expires before it is renewed; about a third of the ttl ({ttl / 3:g} s) is "
+            "usual."
+        )
+    return interval
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The validated ``dlock_*`` settings one lock manager runs with."""
+
+    urls: tuple[str, ...]
+    ttl: float = DEFAULT_TTL
+    prefix: str = DEFAULT_PREFIX
+    node_timeout: float = DEFAULT_NODE_TIMEOUT
+    drift_factor: float = DEFAULT_DRIFT_FACTOR
+    fence_retention: float = DEFAULT_FENCE_RETENTION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "urls", check_urls(self.urls))
+        object.__setattr__(self, "ttl", check_seconds("dlock_ttl", self.ttl))
+        object.__setattr__(
+            self, "node_timeout", check_seconds("dlock_node_timeout", self.node_timeout)
+        )
+        object.__setattr__(
+            self, "fence_retention", check_seconds("dlock_fence_retention", self.fence_retention)
+        )
+        drift = self.drift_factor
+        if isinstance(drift, bool) or not isinstance(drift, int | float) or not 0 <= drift < 0.5:
+            raise ConfigError(
+                f"dlock_drift_factor must be a fraction in [0, 0.5), got {drift!r}; 0.01 "
+                "(1 % of the ttl) suits NTP-disciplined clocks."
+            )
+        if not isinstance(self.prefix, str) or not self.prefix or "{" in self.prefix:
+            raise ConfigError(
+                f"dlock_prefix must be a non-empty string without '{{', got {self.prefix!r}."
+            )
+
+
+def settings_from_app(app: Any) -> Settings:
+    """Read the ``dlock_*`` settings of a Celery app; ``dlock_urls`` falls back to the broker."""
+    conf = app.conf
+    urls = conf.get("dlock_urls")
+    if urls is None:
+        broker = conf.get("broker_url") or ""
+        if isinstance(broker, str) and broker.split("://", 1)[0].lower() in ("redis", "rediss"):
+            urls = [broker]
+        else:
+            raise ConfigError(
+                "dlock_urls is not set and the broker is not Redis "
+                f"({redact(str(broker)) or 'unset'}); set app.conf.dlock_urls = "
+                "['redis://host:6379/0'] (or three or more URLs for Redlock)."
+            )
+    return Settings(
+        urls=check_urls(urls),
+        ttl=conf.get("dlock_ttl", DEFAULT_TTL),
+        prefix=conf.get("dlock_prefix", DEFAULT_PREFIX),
+        node_timeout=conf.get("dlock_node_timeout", DEFAULT_NODE_TIMEOUT),
+        drift_factor=conf.get("dlock_drift_factor", DEFAULT_DRIFT_FACTOR),
+        fence_retention=conf.get("dlock_fence_retention", DEFAULT_FENCE_RETENTION),
+    )

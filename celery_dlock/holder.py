@@ -1,0 +1,90 @@
+"""What a lock's value says about its holder, and how it is written.
+
+The value stored under a lock key is one line of JSON, readable with ``redis-cli GET``::
+
+    {"token":"Yk3…","holder":"5f0c…-task-id","host":"worker-1","pid":4242,"since":1763773730123,"fence":1763773730124}
+
+* ``token`` — 20 random bytes (``secrets``), unique to this acquisition. Release and renewal
+  compare the whole value, so only this acquisition can extend or delete it.
+* ``holder`` — who holds it for release-by-holder: the Celery task id, or ``null``.
+* ``host``, ``pid``, ``since`` (wall-clock milliseconds, for display only), and ``fence`` —
+  the fencing token, which the acquire script appends (the client sends everything before it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+
+TOKEN_BYTES = 20
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The parsed value of a held lock, for errors, logs and the operator command."""
+
+    token: str
+    holder: str | None
+    host: str
+    pid: int
+    since: float  # wall-clock seconds; display only, never used for validity
+    fence: int
+
+    def describe(self) -> str:
+        who = f"task {self.holder}" if self.holder else "a process"
+        return f"{who} on {self.host} (pid {self.pid}, fencing token {self.fence})"
+
+
+def parse_value(raw: bytes | str | None) -> Holder | None:
+    """Read a lock value; ``None`` for a missing key or a value this library did not write."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        return Holder(
+            token=str(data["token"]),
+            holder=None if data.get("holder") is None else str(data["holder"]),
+            host=str(data.get("host", "?")),
+            pid=int(data.get("pid", 0)),
+            since=float(data.get("since", 0)) / 1000.0,
+            fence=int(data["fence"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class _ProcessPart:
+    """The host and pid part of every value, computed once per process (and again after fork)."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.text = ""
+
+    def get(self) -> str:
+        pid = os.getpid()
+        if pid != self.pid:
+            self.text = f',"host":{json.dumps(socket.gethostname())},"pid":{pid}'
+            self.pid = pid
+        return self.text
+
+
+_process_part = _ProcessPart()
+
+
+def value_head(holder: str | None) -> str:
+    """Everything of a new value up to the fencing token, with a fresh random token.
+
+    The acquire script appends ``<fence>}``; the full value is ``head + str(fence) + "}"``.
+    """
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    who = "null" if holder is None else json.dumps(holder)
+    since = int(time.time() * 1000)
+    return f'{{"token":"{token}","holder":{who}{_process_part.get()},"since":{since},"fence":'
+
+
+def full_value(head: str, fence: int) -> bytes:
+    return f"{head}{fence}}}".encode()

@@ -1,0 +1,207 @@
+"""A held lock: its fencing token, how long it stays valid, and whether it was lost.
+
+Validity is kept on ``time.monotonic()``, counted from *before* the acquire or renew request was
+sent, minus the clock-drift allowance. So the holder's view always ends before Redis's own
+expiry (seed 000: the client's session must expire first), and a wall-clock jump changes
+nothing. :meth:`Lease.ensure` is the check to make right before touching the protected resource.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from celery_dlock.errors import LockLost
+
+if TYPE_CHECKING:
+    from celery_dlock.redlock import LockManager
+
+log = logging.getLogger("celery_dlock.renew")
+
+#: Called once when a lease is lost, from the thread that noticed (usually the watchdog).
+LostCallback = Callable[["Lease", LockLost], None]
+
+
+class Lease:
+    """One acquisition of a key, alive until released, expired, or found taken."""
+
+    def __init__(
+        self,
+        manager: LockManager,
+        key: str,
+        token: int,
+        head: str,
+        *,
+        holder: str | None,
+        ttl: float,
+        started: float,
+        deadline: float,
+        renew_interval: float | None,
+        max_hold: float | None,
+    ) -> None:
+        #: The key as the caller named it, before any prefix.
+        self.key = key
+        #: Fencing token: strictly greater than every earlier token for this key.
+        self.token = token
+        #: The holder id written into the lock value (a task id), if any.
+        self.holder = holder
+        #: Lease length in seconds; renewals extend it to this again.
+        self.ttl = ttl
+        #: Seconds between renewals, or None when the lease is not renewed.
+        self.renew_interval = renew_interval
+        #: Longest total time this lease may be renewed for, or None for no bound.
+        self.max_hold = max_hold
+        self.acquired_at = started
+        self._manager = manager
+        self._head = head
+        self._deadline = deadline
+        self._lost: LockLost | None = None
+        self._released = False
+        self._callbacks: list[LostCallback] = []
+        # Held while a renewal or the release talks to Redis about this lease, so a renewal
+        # in flight can never re-create a key the release has just deleted.
+        self.io_lock = threading.Lock()
+        self.next_renewal = started + renew_interval if renew_interval else deadline
+        self.renewals = 0
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def head(self) -> str:
+        return self._head
+
+    @property
+    def deadline(self) -> float:
+        """The ``time.monotonic()`` reading at which this lease stops being valid."""
+        return self._deadline
+
+    @property
+    def valid_for(self) -> float:
+        """Seconds of validity left on the monotonic clock; 0 once lost or released."""
+        if self._lost is not None or self._released:
+            return 0.0
+        return max(0.0, self._deadline - time.monotonic())
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known lost, or its validity has run out (even unnoticed)."""
+        return self._lost is not None or time.monotonic() >= self._deadline
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def lost_reason(self) -> str | None:
+        if self._lost is not None:
+            return self._lost.reason
+        if time.monotonic() >= self._deadline:
+            return self._expiry_reason()
+        return None
+
+    def _expiry_reason(self) -> str:
+        if self.max_hold is not None and self._deadline >= self.acquired_at + self.max_hold:
+            return f"held for its max_hold of {self.max_hold:g} s; no longer renewed"
+        return (
+            "its validity ran out on the monotonic clock before a renewal succeeded "
+            "(process paused, or Redis unreachable)"
+        )
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lease is still held and valid right now."""
+        if self._lost is not None:
+            raise self._lost
+        if self._released:
+            raise LockLost(
+                f"lock {self.key!r} was released", key=self.key, reason="released", token=self.token
+            )
+        if time.monotonic() >= self._deadline:
+            self.mark_lost(self._expiry_reason())
+            assert self._lost is not None
+            raise self._lost
+
+    def on_lost(self, callback: LostCallback) -> None:
+        """Call ``callback(lease, error)`` once when the lease is lost (now if it already is)."""
+        if self._lost is not None:
+            self._run_callback(callback, self._lost)
+        else:
+            self._callbacks.append(callback)
+
+    # -- transitions (the watchdog and the manager call these) -----------------------------
+
+    def renewed(self, started: float, deadline: float) -> None:
+        self._deadline = max(self._deadline, deadline)
+        self.renewals += 1
+        if self.renew_interval is not None:
+            self.next_renewal = started + self.renew_interval
+
+    def mark_lost(self, reason: str) -> bool:
+        """Record the loss and run the callbacks; False if it was already lost or released."""
+        if self._lost is not None or self._released:
+            return False
+        error = LockLost(
+            f"lock {self.key!r} (fencing token {self.token}) was lost: {reason}",
+            key=self.key,
+            reason=reason,
+            token=self.token,
+        )
+        self._lost = error
+        log.warning("lease lost: key=%s token=%s reason=%s", self.key, self.token, reason)
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            self._run_callback(callback, error)
+        return True
+
+    def _run_callback(self, callback: LostCallback, error: LockLost) -> None:
+        try:
+            callback(self, error)
+        except Exception:
+            log.exception("lost-lease callback %r failed for key %s", callback, self.key)
+
+    def release(self) -> bool:
+        """Give the lock back; True if a quorum confirmed the delete. Idempotent, never raises
+        on Redis errors (the key then expires after at most the ttl)."""
+        return self._manager.release(self)
+
+    def set_released(self) -> bool:
+        """Mark released; False if it already was."""
+        if self._released:
+            return False
+        self._released = True
+        self._callbacks = []
+        return True
+
+    # -- context manager -------------------------------------------------------------------
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        was_lost = self.lost
+        self.release()
+        if was_lost and exc_type is None:
+            # The block finished, but not necessarily alone: tell the caller.
+            self.ensure_lost_error()
+
+    def ensure_lost_error(self) -> None:
+        if self._lost is None:
+            self._lost = LockLost(
+                f"lock {self.key!r} (fencing token {self.token}) was lost: {self._expiry_reason()}",
+                key=self.key,
+                reason=self._expiry_reason(),
+                token=self.token,
+            )
+        raise self._lost
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else ("lost" if self.lost else "held")
+        return f"<Lease {self.key!r} token={self.token} {state} valid_for={self.valid_for:.3f}>"

@@ -1,0 +1,160 @@
+"""``celery_dlock.lock()``: a distributed lock for any critical section, as ``with`` or decorator.
+
+::
+
+    with celery_dlock.lock(app, f"meta:{source}:{entity}", ttl=10, wait=5) as lease:
+        lease.ensure()              # right before touching the protected resource
+        write(row, fence=lease.token)
+
+Managers (clients of one node set) are made once per settings and shared, so calling
+``lock()`` often costs no new connections.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from celery_dlock.config import (
+    Settings,
+    check_key,
+    check_renew_interval,
+    check_seconds,
+    check_urls,
+)
+from celery_dlock.errors import ConfigError
+from celery_dlock.lease import Lease, LostCallback
+from celery_dlock.redlock import LockManager
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_managers: dict[Settings, LockManager] = {}
+_app_managers: weakref.WeakKeyDictionary[Any, LockManager] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def manager_for_settings(settings: Settings) -> LockManager:
+    with _registry_lock:
+        manager = _managers.get(settings)
+        if manager is None:
+            manager = _managers[settings] = LockManager(settings)
+        return manager
+
+
+def manager_for(app_or_urls: Any) -> LockManager:
+    """The shared manager for a Celery app (its ``dlock_*`` settings, read once) or URL list."""
+    if isinstance(app_or_urls, LockManager):
+        return app_or_urls
+    if hasattr(app_or_urls, "conf"):
+        manager = _app_managers.get(app_or_urls)
+        if manager is None:
+            from celery_dlock.config import settings_from_app
+
+            manager = manager_for_settings(settings_from_app(app_or_urls))
+            _app_managers[app_or_urls] = manager
+        return manager
+    if isinstance(app_or_urls, str | Sequence):
+        return manager_for_settings(Settings(urls=check_urls(app_or_urls)))
+    raise ConfigError(
+        "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
+        f"{type(app_or_urls).__name__} ({app_or_urls!r})."
+    )
+
+
+class LockGuard:
+    """What :func:`lock` returns: enter it for a :class:`Lease`, or decorate a function."""
+
+    def __init__(
+        self,
+        manager: LockManager,
+        key: str,
+        ttl: float | None,
+        wait: float | None,
+        options: dict[str, Any],
+    ) -> None:
+        self._manager = manager
+        self._key = key
+        self._ttl = ttl
+        self._wait = wait
+        self._options = options
+        self._local = threading.local()
+
+    def acquire(self) -> Lease:
+        return self._manager.acquire(self._key, ttl=self._ttl, wait=self._wait, **self._options)
+
+    def __enter__(self) -> Lease:
+        lease = self.acquire()
+        stack: list[Lease] = self._local.__dict__.setdefault("stack", [])
+        stack.append(lease)
+        return lease
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lease: Lease = self._local.stack.pop()
+        lease.__exit__(exc_type, exc, tb)
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(func)
+        def locked(*args: P.args, **kwargs: P.kwargs) -> R:
+            with self:
+                return func(*args, **kwargs)
+
+        return locked
+
+    def __repr__(self) -> str:
+        return f"<lock {self._key!r} ttl={self._ttl} wait={self._wait} on {self._manager!r}>"
+
+
+def lock(
+    app_or_urls: Any,
+    key: str,
+    ttl: float | None = None,
+    wait: float | None = 0.0,
+    *,
+    holder: str | None = None,
+    renew: bool = True,
+    renew_interval: float | None = None,
+    max_hold: float | None = None,
+    on_lost: LostCallback | None = None,
+) -> LockGuard:
+    """A distributed lock on ``key``, as a context manager (yielding the lease) or decorator.
+
+    ``app_or_urls`` is a Celery app (its ``dlock_urls`` and other ``dlock_*`` settings) or a
+    list of Redis URLs: one URL for a single Redis, three or more for Redlock. ``ttl`` defaults
+    to ``dlock_ttl`` (30 s) and is renewed every ``renew_interval`` (ttl/3) while held.
+    ``wait=0`` raises :class:`LockContended` at once when the key is held, ``wait=s`` waits up
+    to ``s`` seconds (woken by the release, not by polling), ``wait=None`` waits for good.
+    ``max_hold`` bounds the total time renewals may keep the key. ``on_lost(lease, error)``
+    runs when the lease is lost. Leaving the block after the lease was lost raises
+    :class:`LockLost` (unless the block is already raising).
+
+    Arguments are checked here, so a bad one fails where the lock is defined.
+    """
+    manager = manager_for(app_or_urls)
+    check_key(key)
+    if ttl is not None:
+        ttl = check_seconds("ttl", ttl)
+    effective_ttl = manager.settings.ttl if ttl is None else ttl
+    if renew:
+        check_renew_interval(renew_interval, effective_ttl)
+    if wait is not None:
+        wait = check_seconds("wait", wait, allow_zero=True)
+    if max_hold is not None:
+        check_seconds("max_hold", max_hold)
+    options = {
+        "holder": holder,
+        "renew": renew,
+        "renew_interval": renew_interval,
+        "max_hold": max_hold,
+        "on_lost": on_lost,
+    }
+    return LockGuard(manager, key, ttl, wait, options)

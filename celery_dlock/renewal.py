@@ -1,0 +1,145 @@
+"""The per-process watchdog thread that keeps held leases alive.
+
+One daemon thread per process renews every lease that asks for it, about every ttl/3, in one
+script call per node for all leases of that node (seed 002's compare-and-extend, batched). It
+reports a lease lost when a node says the key is gone or taken, or when the lease's own
+validity runs out before a renewal succeeds; it stops renewing after a lease's ``max_hold``.
+After ``fork()`` the child starts with no leases and starts its own thread on first use: the
+parent's leases stay the parent's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery_dlock.lease import Lease
+    from celery_dlock.redlock import LockManager
+
+log = logging.getLogger("celery_dlock.renew")
+
+#: A lease due within this fraction of its interval is renewed with the current batch.
+BATCH_SLACK = 0.25
+#: After a renewal nobody answered, retry after this fraction of the renew interval.
+RETRY_FRACTION = 0.25
+
+
+class Watchdog:
+    """Renews leases in the background; one per process."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._leases: set[Lease] = set()
+        self._thread: threading.Thread | None = None
+
+    def _fork_check(self) -> None:
+        if self._pid != os.getpid():
+            # Forked: the parent's leases and thread do not belong to this process.
+            self._pid = os.getpid()
+            self._cond = threading.Condition()
+            self._leases = set()
+            self._thread = None
+
+    def add(self, lease: Lease) -> None:
+        self._fork_check()
+        with self._cond:
+            self._leases.add(lease)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="dlock-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, lease: Lease) -> None:
+        self._fork_check()
+        with self._cond:
+            self._leases.discard(lease)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _run(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                if cond is not self._cond:
+                    return  # forked away from under us (cannot happen in the child's thread)
+                if not self._leases:
+                    cond.wait()
+                    continue
+                now = time.monotonic()
+                wake = min(_due_at(lease) for lease in self._leases)
+                if wake > now:
+                    cond.wait(wake - now)
+                    continue
+                due = [lease for lease in self._leases if _due_at(lease) <= now + _slack(lease)]
+            try:
+                self._service(due)
+            except Exception:  # never let the watchdog die: other leases depend on it
+                log.exception("watchdog round failed")
+
+    def _service(self, due: list[Lease]) -> None:
+        now = time.monotonic()
+        batches: dict[LockManager, list[Lease]] = defaultdict(list)
+        for lease in due:
+            if lease.released:
+                self.discard(lease)
+            elif lease.lost:
+                self._lose(lease, lease.lost_reason or "lost")
+            elif lease.renew_interval is None or (
+                lease.max_hold is not None and now >= lease.acquired_at + lease.max_hold
+            ):
+                # Not renewed (any more): nothing to do until its validity runs out.
+                lease.next_renewal = lease.deadline
+            else:
+                batches[lease._manager].append(lease)
+        for manager, leases in batches.items():
+            self._renew(manager, leases)
+
+    def _renew(self, manager: LockManager, leases: list[Lease]) -> None:
+        # Skip leases being released right now (their io_lock is held): renewing one could
+        # re-create a key the release has just deleted.
+        held = [lease for lease in leases if lease.io_lock.acquire(blocking=False)]
+        try:
+            live = [lease for lease in held if not lease.released]
+            if not live:
+                return
+            outcomes = manager.renew(live)
+        finally:
+            for lease in held:
+                lease.io_lock.release()
+        now = time.monotonic()
+        for lease, reason in zip(live, outcomes, strict=True):
+            if reason is not None:
+                self._lose(lease, reason)
+            elif lease.next_renewal <= now and lease.renew_interval is not None:
+                # Undecided (nodes silent): try again soon, until the validity runs out.
+                lease.next_renewal = min(
+                    now + lease.renew_interval * RETRY_FRACTION, lease.deadline
+                )
+
+    def _lose(self, lease: Lease, reason: str) -> None:
+        self.discard(lease)
+        if lease.mark_lost(reason):
+            # Free what we may still hold on some nodes, so others need not wait for expiry.
+            lease._manager.release(lease)
+
+
+def _due_at(lease: Lease) -> float:
+    if lease.released or lease.lost:
+        return 0.0
+    return min(lease.next_renewal, lease.deadline)
+
+
+def _slack(lease: Lease) -> float:
+    return (lease.renew_interval or 0.0) * BATCH_SLACK
+
+
+watchdog = Watchdog()

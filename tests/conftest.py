@@ -1,0 +1,104 @@
+"""Fixtures: real redis-servers on 127.0.0.1: one for single-instance tests, five for Redlock.
+
+Set ``DLOCK_TEST_REDIS_URLS`` (comma-separated) to run against servers you already have: the
+first URL serves the single-instance tests, the first five the Redlock tests; tests that stop,
+pause or restart servers (marked ``local_redis``) are skipped then, and the suite flushes
+those databases between tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_dlock.renewal import watchdog
+from celery_dlock.testing import RedisServer, redis_servers
+
+EXTERNAL = [u for u in os.environ.get("DLOCK_TEST_REDIS_URLS", "").split(",") if u.strip()]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not EXTERNAL:
+        return
+    skip = pytest.mark.skip(reason="DLOCK_TEST_REDIS_URLS is set: cannot stop or restart those")
+    for item in items:
+        if "local_redis" in item.keywords:
+            item.add_marker(skip)
+
+
+def _flush(urls: list[str]) -> None:
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="session")
+def _single_session() -> Iterator[list[str]]:
+    if EXTERNAL:
+        yield EXTERNAL[:1]
+        return
+    with RedisServer() as server:
+        yield [server.url]
+
+
+@pytest.fixture(scope="session")
+def _redlock_session() -> Iterator[list[str]]:
+    if EXTERNAL:
+        if len(EXTERNAL) < 5:
+            pytest.skip("DLOCK_TEST_REDIS_URLS has fewer than five URLs: no Redlock tests")
+        yield EXTERNAL[:5]
+        return
+    with redis_servers(5) as servers:
+        yield [s.url for s in servers]
+
+
+@pytest.fixture
+def single_urls(_single_session: list[str]) -> list[str]:
+    """One Redis URL, emptied before the test."""
+    _flush(_single_session)
+    return _single_session
+
+
+@pytest.fixture
+def redlock_urls(_redlock_session: list[str]) -> list[str]:
+    """Five independent Redis masters, emptied before the test."""
+    _flush(_redlock_session)
+    return _redlock_session
+
+
+@pytest.fixture(params=["single", "redlock5"])
+def urls(request: pytest.FixtureRequest) -> list[str]:
+    """Run the test once on a single Redis and once on Redlock over five masters."""
+    name = "single_urls" if request.param == "single" else "redlock_urls"
+    result: list[str] = request.getfixturevalue(name)
+    return result
+
+
+@pytest.fixture
+def servers() -> Iterator[list[RedisServer]]:
+    """Five fresh servers of this test's own, free to stop, pause, restart and wipe."""
+    with redis_servers(5) as started:
+        yield started
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    """One fresh server of this test's own, free to stop, pause, restart and wipe."""
+    with RedisServer() as started:
+        yield started
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_leases() -> Iterator[None]:
+    """Every test must release what it takes; a leak would renew keys into later tests."""
+    yield
+    leaked = list(watchdog._leases)
+    for lease in leaked:
+        lease.release()
+    assert not leaked, f"test left leases held: {leaked}"

@@ -1,0 +1,132 @@
+"""Every kind of bad input to the lock core gets a clear error that names the problem."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_dlock import ConfigError, DLockConfigWarning, lock
+from celery_dlock.config import Settings, redact
+
+GOOD = ["redis://127.0.0.1:1/0"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ttl": 0}, "ttl must be > 0 seconds, got 0"),
+        ({"ttl": -5}, "ttl must be > 0 seconds, got -5"),
+        ({"ttl": math.nan}, "ttl must be > 0 seconds, got nan"),
+        ({"ttl": "30"}, "ttl must be a number of seconds, not '30'"),
+        ({"ttl": True}, "ttl must be a number of seconds, not True"),
+        (
+            {"ttl": 3, "renew_interval": 3},
+            "renew_interval (3 s) must be shorter than the ttl (3 s)",
+        ),
+        ({"ttl": 3, "renew_interval": 9}, "renew_interval (9 s) must be shorter than the ttl"),
+        ({"ttl": 3, "renew_interval": 0}, "renew_interval must be > 0 seconds"),
+        ({"wait": -1}, "wait must be >= 0 seconds, got -1"),
+        ({"max_hold": 0}, "max_hold must be > 0 seconds"),
+    ],
+)
+def test_bad_lock_options(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        lock(GOOD, "k", **kwargs)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_key_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match=r"lock key must be a str, not int \(42\)"):
+        lock(GOOD, 42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not bytes"):
+        lock(GOOD, b"k")  # type: ignore[arg-type]
+
+
+def test_key_must_be_non_empty_and_bounded() -> None:
+    with pytest.raises(ConfigError, match="lock key is empty"):
+        lock(GOOD, "")
+    with pytest.raises(ConfigError, match="2000 characters, over the 1024 limit; hash"):
+        lock(GOOD, "x" * 2000)
+
+
+@pytest.mark.parametrize(
+    ("urls", "message"),
+    [
+        ([], "dlock_urls is empty: give one Redis URL"),
+        (["http://host:6379"], "has scheme 'http'; use redis://host:port/db"),
+        (["redis://"], "names no host"),
+        (["redis://h:port/0"], "port that is not a number"),
+        (["redis://h:6379/zero"], "database 'zero'; the path must be a number"),
+        (["unix://"], "names no socket path"),
+        ([42], "42 is a int, not a URL string"),
+        (
+            {"redis://h"},
+            "needs a Celery app or a list of Redis URLs as its first argument, not set",
+        ),
+        (
+            ["redis://a:1/0", "redis://a:1/3", "redis://b:1/0"],
+            "'redis://a:1/3' and 'redis://a:1/0' name the same Redis server",
+        ),
+        (
+            ["redis://a:1", "redis://b:1"],
+            "two URLs: a Redlock quorum is 2 of 2, so losing either node stops every lock; "
+            "it survives no failure",
+        ),
+    ],
+)
+def test_bad_urls(urls: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        lock(urls, "k")
+    assert message in str(info.value)
+
+
+def test_passwords_never_appear_in_errors() -> None:
+    with pytest.raises(ConfigError) as info:
+        lock(["redis://:s3cret@a:1/0", "redis://:s3cret@a:1/1", "redis://b:1"], "k")
+    assert "s3cret" not in str(info.value)
+    assert "redis://:***@a:1/1" in str(info.value)
+    assert redact("rediss://user:pw@h:6380/2") == "rediss://user:***@h:6380/2"
+
+
+def test_an_even_node_count_warns_with_its_quorum() -> None:
+    urls = [f"redis://h{i}:6379" for i in range(4)]
+    with pytest.warns(DLockConfigWarning, match="4 nodes: the quorum is 3, which tolerates 1"):
+        Settings(urls=tuple(urls))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Settings(urls=tuple(urls[:3]))
+
+
+def test_app_without_redis_anywhere() -> None:
+    app = Celery("t", set_as_current=False, broker="amqp://guest@localhost//")
+    with pytest.raises(ConfigError, match=r"dlock_urls is not set and the broker is not Redis"):
+        lock(app, "k")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("dlock_ttl", -1, "dlock_ttl must be > 0 seconds"),
+        ("dlock_node_timeout", 0, "dlock_node_timeout must be > 0 seconds"),
+        ("dlock_drift_factor", 0.7, "dlock_drift_factor must be a fraction in [0, 0.5)"),
+        ("dlock_prefix", "", "dlock_prefix must be a non-empty string"),
+        ("dlock_prefix", "a{b", "without '{'"),
+    ],
+)
+def test_bad_settings(setting: str, value: Any, message: str) -> None:
+    app = Celery("t", set_as_current=False)
+    app.conf.dlock_urls = GOOD
+    app.conf[setting] = value
+    with pytest.raises(ConfigError) as info:
+        lock(app, "k")
+    assert message in str(info.value)
+
+
+def test_first_argument_must_be_app_or_urls() -> None:
+    with pytest.raises(ConfigError, match="needs a Celery app or a list of Redis URLs"):
+        lock(3.5, "k")

@@ -1,0 +1,514 @@
+"""The lock core against real redis-server processes: exclusion, waiting, renewal, loss, fencing."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_dlock import LockContended, LockLost, LockUnavailable, lock
+from celery_dlock.lease import Lease
+from celery_dlock.lock import manager_for
+from celery_dlock.renewal import watchdog
+from celery_dlock.testing import RedisServer
+
+
+def app_for(urls: list[str], **conf: Any) -> Celery:
+    app = Celery("test", set_as_current=False)
+    app.conf.dlock_urls = urls
+    app.conf.update(conf)
+    return app
+
+
+def lock_keys(urls: list[str], key: str) -> list[bytes | None]:
+    """The raw lock value on each node (None where absent)."""
+    out = []
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            out.append(client.get(f"dlock:{{{key}}}"))
+        finally:
+            client.close()
+    return out
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true, failing the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+# -- mutual exclusion ------------------------------------------------------------------------
+
+
+def test_mutual_exclusion_8_threads_x_200(urls: list[str]) -> None:
+    inside = 0
+    most = 0
+    done = 0
+    count_lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        nonlocal inside, most, done
+        try:
+            for _ in range(200):
+                with lock(urls, "mutex", ttl=5, wait=None) as lease:
+                    with count_lock:
+                        inside += 1
+                        most = max(most, inside)
+                    lease.ensure()
+                    time.sleep(0.0001)  # the critical section's "work": widens any overlap
+                    with count_lock:
+                        inside -= 1
+                        done += 1
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=100)
+    assert not errors
+    assert done == 1600
+    assert most == 1
+
+
+# -- Redlock quorum and node failures ------------------------------------------------------
+
+
+@pytest.mark.local_redis
+@pytest.mark.parametrize("how", ["killed", "paused"])
+def test_redlock_survives_two_of_five_down(servers: list[RedisServer], how: str) -> None:
+    app = app_for([s.url for s in servers], dlock_node_timeout=0.2)
+    for server in servers[:2]:
+        server.kill() if how == "killed" else server.pause()
+    with lock(app, "two-down", ttl=5) as lease:
+        assert lease.valid_for > 4
+        assert lease.token > 0
+        live = lock_keys([s.url for s in servers[2:]], "two-down")
+        assert all(live), live
+    assert lock_keys([s.url for s in servers[2:]], "two-down") == [None] * 3
+
+
+@pytest.mark.local_redis
+@pytest.mark.parametrize("how", ["killed", "paused"])
+def test_redlock_three_of_five_down_is_unavailable_fast_and_clean(
+    servers: list[RedisServer], how: str
+) -> None:
+    app = app_for([s.url for s in servers], dlock_node_timeout=0.2)
+    with lock(app, "warm-up", ttl=5):
+        pass  # connections exist, so paused nodes accept our writes and never answer
+    for server in servers[:3]:
+        server.kill() if how == "killed" else server.pause()
+    started = time.monotonic()
+    with pytest.raises(LockUnavailable) as info, lock(app, "three-down", ttl=10):
+        pytest.fail("acquired without a quorum")
+    elapsed = time.monotonic() - started
+    assert elapsed < 0.2 + 0.25, f"took {elapsed:.3f} s; the node timeout is 0.2 s, ttl 10 s"
+    assert "2 of 5 node(s) answered, 3 needed" in str(info.value)
+    assert len(info.value.errors) == 3
+    assert lock_keys([s.url for s in servers[3:]], "three-down") == [None, None]
+
+
+def test_partial_acquisition_is_undone_at_once(redlock_urls: list[str]) -> None:
+    # Someone else holds the key on three of five nodes: we can take only two, and must
+    # give those two back before reporting contention.
+    foreign = b'{"token":"someone-else","holder":"t-1","host":"h","pid":1,"since":0,"fence":7}'
+    for url in redlock_urls[:3]:
+        redis.Redis.from_url(url).set("dlock:{split}", foreign, px=10_000)
+    with pytest.raises(LockContended) as info, lock(redlock_urls, "split", ttl=10):
+        pytest.fail("acquired a minority")
+    assert info.value.holder is not None
+    assert info.value.holder.holder == "t-1"
+    assert lock_keys(redlock_urls, "split") == [foreign] * 3 + [None] * 2
+
+
+# -- loss detection and renewal --------------------------------------------------------------
+
+
+def _hold(urls_or_app: Any, key: str, **options: Any) -> tuple[Lease, threading.Event, list[Any]]:
+    lost = threading.Event()
+    seen: list[Any] = []
+
+    def on_lost(lease: Lease, error: LockLost) -> None:
+        seen.append((time.monotonic(), error))
+        lost.set()
+
+    lease = lock(urls_or_app, key, on_lost=on_lost, **options).acquire()
+    return lease, lost, seen
+
+
+def test_deleted_key_is_reported_lost_within_one_renewal_interval(urls: list[str]) -> None:
+    lease, lost, seen = _hold(urls, "deleted", ttl=3, renew_interval=0.5)
+    for url in urls:
+        redis.Redis.from_url(url).delete("dlock:{deleted}")
+    deleted_at = time.monotonic()
+    assert lost.wait(timeout=3), "loss not reported"
+    delay = seen[0][0] - deleted_at
+    assert delay < 0.5 + 0.3, f"reported {delay:.3f} s after the delete"
+    assert lease.lost
+    assert lease.valid_for == 0
+    assert "gone" in seen[0][1].reason
+    with pytest.raises(LockLost, match="gone"):
+        lease.ensure()
+    lease.release()
+
+
+def test_key_taken_by_another_is_reported_lost(single_urls: list[str]) -> None:
+    lease, lost, seen = _hold(single_urls, "stolen", ttl=3, renew_interval=0.3)
+    redis.Redis.from_url(single_urls[0]).set("dlock:{stolen}", b"someone else's value")
+    assert lost.wait(timeout=3)
+    assert "another holder" in seen[0][1].reason
+    lease.release()
+    assert lock_keys(single_urls, "stolen") == [b"someone else's value"]
+
+
+@pytest.mark.local_redis
+def test_single_redis_restarting_empty_is_reported_lost(server: RedisServer) -> None:
+    lease, lost, seen = _hold([server.url], "restart", ttl=3, renew_interval=0.5)
+    server.restart(wipe=True)
+    restarted_at = time.monotonic()
+    assert lost.wait(timeout=3), "loss not reported"
+    assert seen[0][0] - restarted_at < 0.5 + 0.3
+    assert "gone" in seen[0][1].reason
+    lease.release()
+
+
+@pytest.mark.local_redis
+def test_redlock_keeps_lease_through_minority_restart_and_loses_it_on_majority(
+    servers: list[RedisServer],
+) -> None:
+    urls = [s.url for s in servers]
+    lease, lost, seen = _hold(urls, "wipes", ttl=2, renew_interval=0.3)
+    servers[0].restart(wipe=True)
+    servers[1].wipe()
+    # Three renewals later the lease still holds, and has re-taken the key where it vanished.
+    renewals = lease.renewals
+    wait_for(lambda: lease.renewals >= renewals + 3, 3, "three renewals")
+    assert not lost.is_set()
+    assert all(lock_keys(urls, "wipes"))
+    for server in servers[2:]:
+        server.wipe()
+    for server in servers[:2]:
+        server.wipe()
+    wiped_at = time.monotonic()
+    assert lost.wait(timeout=3)
+    assert seen[0][0] - wiped_at < 0.3 + 0.3
+    lease.release()
+
+
+def test_renewal_keeps_lease_alive_for_five_ttls(urls: list[str]) -> None:
+    ttl = 0.6
+    lease = lock(urls, "long", ttl=ttl).acquire()
+    client = redis.Redis.from_url(urls[0])
+    lowest = ttl * 1000
+    end = time.monotonic() + 5.5 * ttl
+    while time.monotonic() < end:  # the holding time under test, sampled
+        lowest = min(lowest, client.pttl("dlock:{long}"))
+        assert not lease.lost
+        time.sleep(0.05)
+    lease.ensure()
+    assert lowest > 0, "the key expired between renewals"
+    assert lease.renewals >= 10
+    assert lease.release()
+
+
+def test_max_hold_stops_renewal_and_reports_loss(single_urls: list[str]) -> None:
+    lease, lost, seen = _hold(single_urls, "bounded", ttl=0.6, max_hold=1.0)
+    assert lost.wait(timeout=4)
+    held_for = seen[0][0] - lease.acquired_at
+    assert 1.0 <= held_for < 1.0 + 0.6 + 0.2, held_for
+    assert "max_hold" in seen[0][1].reason
+    # The key was not renewed past the bound: it is gone or about to go by itself.
+    assert redis.Redis.from_url(single_urls[0]).pttl("dlock:{bounded}") <= 600
+    lease.release()
+
+
+def test_validity_runs_out_on_the_monotonic_clock_before_redis_notices(
+    single_urls: list[str],
+) -> None:
+    freezegun = pytest.importorskip("freezegun")
+    with freezegun.freeze_time("2030-01-01", tick=True) as clock:
+        lease = lock(single_urls, "paused", ttl=10, renew=False).acquire()
+        lease.ensure()
+        clock.tick(9.95)  # a 10 s pause (GC, SIGSTOP): the drift allowance has passed
+        assert lease.lost
+        assert lease.valid_for == 0
+        with pytest.raises(LockLost, match="validity ran out"):
+            lease.ensure()
+        # Redis still has the key: only the client's own clock knew.
+        assert lock_keys(single_urls, "paused")[0] is not None
+        lease.release()
+
+
+def test_wall_clock_jumps_do_not_change_validity(
+    urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_time = time.time
+    lease = lock(urls, "wall", ttl=2, renew_interval=0.3).acquire()
+    before = lease.valid_for
+    for jump in (5 * 3600, -5 * 3600):
+        monkeypatch.setattr(time, "time", lambda j=jump: real_time() + j)
+        monkeypatch.setattr(time, "time_ns", lambda j=jump: int((real_time() + j) * 1e9))
+        assert abs(lease.valid_for - before) < 0.4
+        lease.ensure()
+        renewals = lease.renewals
+        wait_for(lambda r=renewals: lease.renewals > r, 2, "a renewal under the jumped clock")
+        assert not lease.lost
+        assert 1.5 < lease.valid_for <= 2
+    assert lease.release()
+
+
+# -- ownership -------------------------------------------------------------------------------
+
+
+def test_non_owner_cannot_release_or_extend(urls: list[str]) -> None:
+    manager = manager_for(urls)
+    owner = manager.acquire("owned", ttl=5, renew=False)
+    impostor = Lease(
+        manager,
+        "owned",
+        owner.token,
+        owner.head.replace(owner.head[10:20], "x" * 10),
+        holder=None,
+        ttl=60,
+        started=time.monotonic(),
+        deadline=time.monotonic() + 60,
+        renew_interval=None,
+        max_hold=None,
+    )
+    assert manager.renew([impostor]) == ["another holder has the key" + _on_all(urls)]
+    assert impostor.release() is False
+    pttl = redis.Redis.from_url(urls[0]).pttl("dlock:{owned}")
+    assert 0 < pttl <= 5000, "the impostor's extend changed the owner's ttl"
+    assert all(
+        v is not None and v.startswith(owner.head.encode()) for v in lock_keys(urls, "owned")
+    )
+    assert owner.release()
+    assert lock_keys(urls, "owned") == [None] * len(urls)
+
+
+def _on_all(urls: list[str]) -> str:
+    return "" if len(urls) == 1 else f" on {len(urls)} of {len(urls)} nodes"
+
+
+def test_release_by_holder_id(urls: list[str]) -> None:
+    manager = manager_for(urls)
+    lease, lost, seen = _hold(urls, "by-holder", ttl=5, renew_interval=0.3, holder="task-42")
+    assert manager.release_by_holder("by-holder", "task-41") is False
+    assert all(lock_keys(urls, "by-holder"))
+    assert manager.release_by_holder("by-holder", "task-42") is True
+    assert lock_keys(urls, "by-holder") == [None] * len(urls)
+    # The holder learns of it at its next renewal.
+    assert lost.wait(timeout=2)
+    assert "gone" in seen[0][1].reason
+    lease.release()
+
+
+def test_contended_error_names_the_holder(urls: list[str]) -> None:
+    with lock(urls, "busy", ttl=5, holder="task-7"):
+        with pytest.raises(LockContended) as info, lock(urls, "busy", ttl=5):
+            pytest.fail("acquired a held key")
+        error = info.value
+        assert error.key == "busy"
+        assert error.holder is not None
+        assert error.holder.holder == "task-7"
+        assert error.holder.pid == os.getpid()
+        assert "task task-7" in str(error)
+        assert error.retry_after is not None
+        assert 4 < error.retry_after <= 5
+
+
+# -- fencing ---------------------------------------------------------------------------------
+
+
+def test_fencing_tokens_increase_over_1000_acquisitions_single(single_urls: list[str]) -> None:
+    manager = manager_for(single_urls)
+    last = 0
+    for _ in range(1000):
+        lease = manager.acquire("fence", ttl=5, renew=False)
+        assert lease.token > last
+        last = lease.token
+        lease.release()
+
+
+def test_fencing_tokens_increase_with_minority_wiped_between_acquisitions(
+    redlock_urls: list[str],
+) -> None:
+    manager = manager_for(redlock_urls)
+    clients = [redis.Redis.from_url(u) for u in redlock_urls]
+    last = 0
+    for i in range(1000):
+        lease = manager.acquire("fence", ttl=5, renew=False)
+        assert lease.token > last, f"acquisition {i}: {lease.token} after {last}"
+        last = lease.token
+        lease.release()
+        # Wipe one or two nodes (a minority), a different set each time.
+        for j in range(1 + i % 2):
+            clients[(i + j) % 5].flushdb()
+
+
+@pytest.mark.local_redis
+def test_fencing_tokens_increase_across_an_empty_restart_of_a_single_redis(
+    server: RedisServer,
+) -> None:
+    manager = manager_for([server.url])
+    before = manager.acquire("fence", ttl=5, renew=False)
+    before.release()
+    server.restart(wipe=True)
+    after = manager.acquire("fence", ttl=5, renew=False)
+    assert after.token > before.token
+    after.release()
+
+
+# -- waiting ---------------------------------------------------------------------------------
+
+
+def test_each_release_admits_exactly_one_of_ten_waiters(
+    urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import celery_dlock.redlock as redlock_module
+
+    pops = {"started": 0, "returned": 0}
+    state = threading.Condition()
+    original = redlock_module.blocking_pop
+
+    def counted_pop(*args: Any) -> bool:
+        with state:
+            pops["started"] += 1
+            state.notify_all()
+        try:
+            return original(*args)
+        finally:
+            with state:
+                pops["returned"] += 1
+                state.notify_all()
+
+    monkeypatch.setattr(redlock_module, "blocking_pop", counted_pop)
+    admitted: list[int] = []
+    go = [threading.Event() for _ in range(10)]
+
+    def waiter(n: int) -> None:
+        with lock(urls, "queue", ttl=30, wait=60):
+            with state:
+                admitted.append(n)
+                state.notify_all()
+            go[n].wait(timeout=60)
+
+    first = lock(urls, "queue", ttl=30).acquire()
+    threads = [threading.Thread(target=waiter, args=(n,)) for n in range(10)]
+    for thread in threads:
+        thread.start()
+    with state:
+        assert state.wait_for(lambda: pops["started"] == 10, timeout=10), pops
+    first.release()
+    for turn in range(10):
+        with state:
+            assert state.wait_for(lambda t=turn: len(admitted) == t + 1, timeout=10)
+            # Exactly one waiter woke: one pop returned per release, and nobody went back
+            # to sleep (a herd would show as extra pops started and returned).
+            assert pops == {"started": 10, "returned": turn + 1}, (turn, pops)
+        go[admitted[-1]].set()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert sorted(admitted) == list(range(10))
+
+
+def test_wait_gives_up_after_its_bound(urls: list[str]) -> None:
+    with lock(urls, "bounded-wait", ttl=30):
+        started = time.monotonic()
+        with pytest.raises(LockContended), lock(urls, "bounded-wait", wait=0.3):
+            pytest.fail("acquired a held key")
+        assert 0.3 <= time.monotonic() - started < 0.3 + 0.3
+
+
+def test_waiter_takes_over_when_holder_expires(urls: list[str]) -> None:
+    holder = lock(urls, "crashed", ttl=0.5, renew=False).acquire()  # a holder that died
+    started = time.monotonic()
+    with lock(urls, "crashed", ttl=5, wait=5) as lease:
+        waited = time.monotonic() - started
+        assert lease.token > holder.token
+    assert 0.4 <= waited < 0.5 + 0.3
+    holder.release()
+
+
+# -- the lock() front end --------------------------------------------------------------------
+
+
+def test_lock_as_decorator(single_urls: list[str]) -> None:
+    calls = []
+
+    @lock(single_urls, "decorated", ttl=5)
+    def critical(x: int) -> int:
+        calls.append(lock_keys(single_urls, "decorated")[0] is not None)
+        return x * 2
+
+    assert critical(21) == 42
+    assert critical(1) == 2
+    assert calls == [True, True]
+    assert lock_keys(single_urls, "decorated") == [None]
+
+
+def test_leaving_the_block_after_loss_raises_lock_lost(single_urls: list[str]) -> None:
+    with (
+        pytest.raises(LockLost, match="gone"),
+        lock(single_urls, "exit", ttl=3, renew_interval=0.2) as lease,
+    ):
+        redis.Redis.from_url(single_urls[0]).delete("dlock:{exit}")
+        wait_for(lambda: lease.lost, 2, "the loss")
+    with pytest.raises(KeyError), lock(single_urls, "exit2", ttl=3, renew_interval=0.2) as lease:
+        redis.Redis.from_url(single_urls[0]).delete("dlock:{exit2}")
+        wait_for(lambda: lease.lost, 2, "the loss")
+        raise KeyError("the block's own error wins")
+
+
+def test_lock_reads_app_settings(single_urls: list[str]) -> None:
+    app = app_for(single_urls, dlock_ttl=7, dlock_prefix="myapp")
+    with lock(app, "conf") as lease:
+        assert lease.ttl == 7
+        assert redis.Redis.from_url(single_urls[0]).exists("myapp:{conf}")
+
+
+def test_lock_falls_back_to_a_redis_broker(single_urls: list[str]) -> None:
+    app = Celery("test", set_as_current=False, broker=single_urls[0])
+    with lock(app, "broker-fallback", ttl=5):
+        assert lock_keys(single_urls, "broker-fallback")[0] is not None
+
+
+# -- fork ------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork with threads, 3.12+
+def test_forked_child_renews_its_own_leases_not_the_parents(single_urls: list[str]) -> None:
+    parent_lease = lock(single_urls, "parent", ttl=5, renew_interval=0.2).acquire()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            child = lock(single_urls, "child", ttl=0.6).acquire()
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                time.sleep(0.05)
+            ok = not child.lost and child.renewals >= 3 and child.release()
+            ok = ok and len(watchdog) == 0
+            code = 0 if ok else 2
+        finally:
+            os.write(write, bytes([code]))
+            os._exit(code)
+    os.close(write)
+    result = os.read(read, 1)
+    os.waitpid(pid, 0)
+    assert result == b"\x00", "the child's lease was not renewed by its own watchdog"
+    assert not parent_lease.lost
+    assert parent_lease.release()
