@@ -1,0 +1,84 @@
+"""What both benchmarks share: CPU placement and a description of the machine and the code."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import redis
+
+import celery_dlock
+from celery_dlock.testing import RedisServer
+
+
+def pin(servers: Sequence[RedisServer], mode: str) -> str:
+    """Place this process (and so the processes it starts later) and the servers on CPUs.
+
+    ``split``: this process on the first allowed CPU, the servers on the others (like a client
+    and servers on different hosts); ``same``: all on the first CPU; ``none``: the scheduler
+    decides. Returns a description of what was done.
+    """
+    if mode == "none" or not hasattr(os, "sched_setaffinity"):
+        return "none (scheduler decides)"
+    cpus = sorted(os.sched_getaffinity(0))
+    if mode == "split" and len(cpus) < 2:
+        mode = "same"
+    client_cpus = {cpus[0]}
+    server_cpus = set(cpus[1:]) if mode == "split" else client_cpus
+    os.sched_setaffinity(0, client_cpus)
+    for server in servers:
+        assert server.process is not None, "server not started"
+        os.sched_setaffinity(server.process.pid, server_cpus)
+    return f"{mode} (clients on CPU {sorted(client_cpus)}, servers on {sorted(server_cpus)})"
+
+
+def code_version() -> str:
+    """Where celery_dlock was imported from, and its git commit when that is a checkout."""
+    here = Path(celery_dlock.__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(here), *args], capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", ".")
+    except (OSError, subprocess.CalledProcessError):
+        return f"{here} (not a git checkout)"
+    return f"{here} (git {commit}{', with uncommitted changes' if dirty else ''})"
+
+
+def machine(*dists: str) -> dict[str, Any]:
+    """CPU, versions and the code measured."""
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                cpu,
+            )
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "redis-py": redis.__version__,
+        "hiredis": version("hiredis"),
+        **{dist: version(dist) for dist in dists},
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "celery_dlock": code_version(),
+    }
