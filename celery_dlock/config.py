@@ -33,6 +33,8 @@ DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 #: Longest user key accepted as is; longer keys should be hashed (task keys are, automatically).
 MAX_KEY_LENGTH = 1024
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: Least validity a lease may start with after the drift allowance.
+MIN_VALIDITY = 0.01
 
 
 class DLockConfigWarning(UserWarning):
@@ -166,16 +168,43 @@ def check_key(key: Any) -> str:
     return key
 
 
-def check_renew_interval(renew_interval: Any, ttl: float) -> float:
-    """``renew_interval`` must leave time to renew before the ttl runs out; default ttl / 3."""
+def drift(ttl: float, factor: float = DEFAULT_DRIFT_FACTOR) -> float:
+    """Clock drift allowance: a fraction of the ttl plus 2 ms for timer granularity."""
+    return ttl * factor + 0.002
+
+
+def check_ttl(name: str, ttl: Any, factor: float = DEFAULT_DRIFT_FACTOR) -> float:
+    """A ttl long enough to outlast its own drift allowance."""
+    seconds = check_seconds(name, ttl)
+    if seconds - drift(seconds, factor) < MIN_VALIDITY:
+        raise ConfigError(
+            f"{name} ({seconds:g} s) is too short: after the clock drift allowance "
+            f"({drift(seconds, factor) * 1000:.1f} ms) less than {MIN_VALIDITY * 1000:g} ms of "
+            "validity would be left. Use at least 0.1 s; seconds are usual."
+        )
+    return seconds
+
+
+def check_renew_interval(
+    renew_interval: Any, ttl: float, factor: float = DEFAULT_DRIFT_FACTOR
+) -> float:
+    """``renew_interval`` must leave time to renew before the lease runs out; default ttl / 3."""
     if renew_interval is None:
         return ttl / 3.0
     interval = check_seconds("renew_interval", renew_interval)
-    if interval >= ttl:
+    validity = ttl - drift(ttl, factor)
+    if interval >= validity:
         raise ConfigError(
-            f"renew_interval ({interval:g} s) must be shorter than the ttl ({ttl:g} s), or the "
-            f"lease expires before it is renewed; about a third of the ttl ({ttl / 3:g} s) is "
-            "usual."
+            f"renew_interval ({interval:g} s) must be shorter than the ttl ({ttl:g} s) less "
+            f"its drift allowance ({validity:g} s), or the lease runs out before it is renewed; "
+            f"about a third of the ttl ({ttl / 3:g} s) is usual."
+        )
+    if interval > ttl / 2:
+        warnings.warn(
+            f"renew_interval ({interval:g} s) is over half the ttl ({ttl:g} s): a renewal that "
+            "fails once cannot be retried before the lease runs out. About ttl/3 is usual.",
+            DLockConfigWarning,
+            stacklevel=3,
         )
     return interval
 
@@ -193,7 +222,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", check_urls(self.urls))
-        object.__setattr__(self, "ttl", check_seconds("dlock_ttl", self.ttl))
+        object.__setattr__(self, "ttl", check_ttl("dlock_ttl", self.ttl))
         object.__setattr__(
             self, "node_timeout", check_seconds("dlock_node_timeout", self.node_timeout)
         )

@@ -7,6 +7,7 @@ The value stored under a lock key is one line of JSON, readable with ``redis-cli
 * ``token`` — 20 random bytes (``secrets``), unique to this acquisition. Release and renewal
   compare the whole value, so only this acquisition can extend or delete it.
 * ``holder`` — who holds it for release-by-holder: the Celery task id, or ``null``.
+* ``queued`` — present (``true``) while an enqueued message holds the key (enqueue-time mode).
 * ``host``, ``pid``, ``since`` (wall-clock milliseconds, for display only), and ``fence`` —
   the fencing token, which the acquire script appends (the client sends everything before it).
 """
@@ -33,9 +34,12 @@ class Holder:
     pid: int
     since: float  # wall-clock seconds; display only, never used for validity
     fence: int
+    queued: bool = False  # held by an enqueued message, not yet by a running execution
 
     def describe(self) -> str:
         who = f"task {self.holder}" if self.holder else "a process"
+        if self.queued:
+            return f"{who}, queued by {self.host} (pid {self.pid}, fencing token {self.fence})"
         return f"{who} on {self.host} (pid {self.pid}, fencing token {self.fence})"
 
 
@@ -52,6 +56,7 @@ def parse_value(raw: bytes | str | None) -> Holder | None:
             pid=int(data.get("pid", 0)),
             since=float(data.get("since", 0)) / 1000.0,
             fence=int(data["fence"]),
+            queued=data.get("queued") is True,
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -75,16 +80,20 @@ class _ProcessPart:
 _process_part = _ProcessPart()
 
 
-def value_head(holder: str | None) -> str:
+def value_head(holder: str | None, *, queued: bool = False) -> str:
     """Everything of a new value up to the fencing token, with a fresh random token.
 
     The acquire script appends ``<fence>}``; the full value is ``head + str(fence) + "}"``.
+    ``queued`` marks the lock an enqueued message holds until its execution takes it over.
     """
     token = secrets.token_urlsafe(TOKEN_BYTES)
     who = "null" if holder is None else json.dumps(holder)
     since = int(time.time() * 1000)
-    return f'{{"token":"{token}","holder":{who}{_process_part.get()},"since":{since},"fence":'
+    mark = ',"queued":true' if queued else ""
+    return f'{{"token":"{token}","holder":{who}{mark}{_process_part.get()},"since":{since},"fence":'
 
 
-def full_value(head: str, fence: int) -> bytes:
-    return f"{head}{fence}}}".encode()
+def head_token(head: str) -> str:
+    """The random token inside a value head (it always opens the value)."""
+    start = len('{"token":"')
+    return head[start : head.index('"', start)]

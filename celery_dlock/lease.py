@@ -13,9 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery_dlock.errors import LockLost
+from celery_dlock.signals import lock_lost
 
 if TYPE_CHECKING:
     from celery_dlock.redlock import LockManager
@@ -42,6 +43,7 @@ class Lease:
         deadline: float,
         renew_interval: float | None,
         max_hold: float | None,
+        sender: Any = None,
     ) -> None:
         #: The key as the caller named it, before any prefix.
         self.key = key
@@ -56,6 +58,8 @@ class Lease:
         #: Longest total time this lease may be renewed for, or None for no bound.
         self.max_hold = max_hold
         self.acquired_at = started
+        #: Who the signals name as sender: the task holding this lease, or None.
+        self.sender = sender
         self._manager = manager
         self._head = head
         self._deadline = deadline
@@ -150,7 +154,21 @@ class Lease:
             token=self.token,
         )
         self._lost = error
-        log.warning("lease lost: key=%s token=%s reason=%s", self.key, self.token, reason)
+        log.warning(
+            "lease lost: key=%s token=%s task_id=%s reason=%s",
+            self.key,
+            self.token,
+            self.holder,
+            reason,
+        )
+        lock_lost.send(
+            sender=self.sender,
+            key=self.key,
+            token=self.token,
+            task_id=self.holder,
+            reason=reason,
+            held_for=time.monotonic() - self.acquired_at,
+        )
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             self._run_callback(callback, error)

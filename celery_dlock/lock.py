@@ -24,6 +24,7 @@ from celery_dlock.config import (
     check_key,
     check_renew_interval,
     check_seconds,
+    check_ttl,
     check_urls,
 )
 from celery_dlock.errors import ConfigError
@@ -141,11 +142,12 @@ def lock(
     """
     manager = manager_for(app_or_urls)
     check_key(key)
+    factor = manager.settings.drift_factor
     if ttl is not None:
-        ttl = check_seconds("ttl", ttl)
+        ttl = check_ttl("ttl", ttl, factor)
     effective_ttl = manager.settings.ttl if ttl is None else ttl
     if renew:
-        check_renew_interval(renew_interval, effective_ttl)
+        check_renew_interval(renew_interval, effective_ttl, factor)
     if wait is not None:
         wait = check_seconds("wait", wait, allow_zero=True)
     if max_hold is not None:

@@ -3,11 +3,15 @@
 One code path serves both: a single node is a Redlock of one with a quorum of one.
 
 Acquire (seed 001): send the acquire script to every node at once; succeed when a majority
-took the key and ``ttl - elapsed - drift`` is still positive; otherwise undo on every node at
-once. Fencing: each node issues its next counter value; the token is the quorum's maximum, and
-when the quorum disagreed (a node was wiped or missed acquisitions) that maximum is written
-back to the quorum before the lease is handed out, so any later quorum, which shares a node
-with this one, issues a larger token. That holds as long as a majority of nodes keep their data.
+took the key and ``ttl - elapsed - drift`` is still positive; otherwise undo on every node.
+
+Fencing: each node issues its next counter value; the token is the maximum over the nodes that
+took the key, and when they disagreed (a node was wiped or missed acquisitions) that maximum is
+written back to them before the lease is handed out. Every later quorum shares a node with
+them, so it issues a larger token unless every shared node lost its counter; counters that go
+missing restart at the node's clock in microseconds, which is ahead of earlier tokens unless
+the key averaged more than about one acquisition per microsecond. On a single Redis every token is
+floored at the server clock (see :data:`scripts.ACQUIRE`).
 
 Waiting: a contender blocks on a signal list (``BLPOP``) that every release pushes one element
 to, so a release wakes exactly one waiter, and a crashed holder's expiry bounds the wait.
@@ -25,27 +29,39 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from celery_dlock.config import Settings, check_key, check_renew_interval, check_seconds, quorum
+from celery_dlock.config import (
+    Settings,
+    check_key,
+    check_renew_interval,
+    check_seconds,
+    check_ttl,
+    drift,
+    quorum,
+)
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.holder import Holder, parse_value, value_head
+from celery_dlock.holder import Holder, head_token, parse_value, value_head
+from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.renewal import watchdog
-from celery_dlock.transport import Node, Reply, background, blocking_pop, run_script
+from celery_dlock.signals import lock_acquired, lock_released
+from celery_dlock.transport import Node, Reply, blocking_pop, run_script
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
 log_renew = logging.getLogger("celery_dlock.renew")
 
-#: Quick re-attempts (1, 2, 4, 8, 16 ms apart) by a woken waiter that still sees the old holder.
-BATON_RETRIES = 5
+#: Quick re-attempts (1, 2, 4, ... ms apart) by a woken waiter that still sees the holder whose
+#: release woke it, while that release reaches the other nodes.
+BATON_RETRIES = 8
+
 
 # Extend-script codes (see scripts.EXTEND).
 _EXTENDED, _ABSENT, _RETAKEN, _TAKEN = 1, 0, 2, 3
 
 
-def drift(ttl: float, factor: float) -> float:
-    """Clock drift allowance: a fraction of the ttl plus 2 ms for timer granularity."""
-    return ttl * factor + 0.002
+def void_key(lock_key: str, head: str) -> str:
+    """The marker that calls off one acquisition attempt (see scripts.VOID)."""
+    return f"{lock_key}:void:{head_token(head)}"
 
 
 def _ms(seconds: float) -> int:
@@ -54,6 +70,20 @@ def _ms(seconds: float) -> int:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What one acquire call asks for, checked."""
+
+    key: str
+    ttl: float
+    holder: str | None
+    interval: float | None  # renewal interval; None = not renewed
+    max_hold: float | None
+    takeover: str  # task id whose queued lock may be taken over, or ""
+    queued: bool
+    sender: Any
 
 
 @dataclass(frozen=True)
@@ -66,6 +96,7 @@ class _Refusal:
     split: bool  # nobody holds a majority: contenders collided; back off at random
     errors: tuple[tuple[str, str], ...]
     detail: str
+    answered: tuple[int, ...] = ()  # indices of the nodes that answered
 
 
 class LockManager:
@@ -102,46 +133,61 @@ class LockManager:
         renew_interval: float | None = None,
         max_hold: float | None = None,
         on_lost: LostCallback | None = None,
+        takeover: str | None = None,
+        queued: bool = False,
+        sender: Any = None,
     ) -> Lease:
         """Take ``key`` for ``ttl`` seconds, renewed in the background until released.
 
         ``wait=0`` raises :class:`LockContended` at once if the key is held; ``wait>0`` blocks
         up to that many seconds, woken by the holder's release; ``wait=None`` blocks without
         bound. Raises :class:`LockUnavailable` when too few nodes answer.
+
+        ``takeover`` (a task id) also succeeds when the key holds that task's *queued* lock;
+        ``queued=True`` writes such a lock (enqueue-time mode). ``sender`` is passed to the
+        signals (the task, when a task holds the lock).
         """
         key = check_key(key)
-        ttl = self.settings.ttl if ttl is None else check_seconds("ttl", ttl)
-        interval = check_renew_interval(renew_interval, ttl) if renew else None
+        factor = self.settings.drift_factor
+        ttl = self.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
+        interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
         if wait is not None:
             wait = check_seconds("wait", wait, allow_zero=True)
         if max_hold is not None:
             max_hold = check_seconds("max_hold", max_hold)
         if holder is not None and not isinstance(holder, str):
             raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
-        return self._acquire(key, ttl, wait, holder, interval, max_hold, on_lost)
+        request = _Request(key, ttl, holder, interval, max_hold, takeover or "", queued, sender)
+        return self._acquire(request, wait, on_lost)
 
     def _acquire(
-        self,
-        key: str,
-        ttl: float,
-        wait: float | None,
-        holder: str | None,
-        interval: float | None,
-        max_hold: float | None,
-        on_lost: LostCallback | None,
+        self, request: _Request, wait: float | None, on_lost: LostCallback | None
     ) -> Lease:
+        key = request.key
+        ttl = request.ttl
         keys = self.redis_keys(key)
-        give_up = None if wait is None else time.monotonic() + wait
-        woken_from: str | None = None  # token of the holder whose release woke us
+        begun = time.monotonic()
+        give_up = None if wait is None else begun + wait
+        woken_from: str | None = None  # token of the holder whose release woke us, if any
         baton = 0
         while True:
-            outcome = self._attempt(key, keys, ttl, holder, interval, max_hold)
+            outcome = self._attempt(request, keys)
             if isinstance(outcome, Lease):
                 if on_lost is not None:
                     outcome.on_lost(on_lost)
-                if interval is not None or max_hold is not None:
+                if request.interval is not None or request.max_hold is not None:
                     watchdog.add(outcome)
-                log_acquire.debug("acquired key=%s token=%s", key, outcome.token)
+                waited = outcome.acquired_at - begun
+                log_acquire.debug(
+                    "acquired key=%s token=%s waited=%.3f", key, outcome.token, waited
+                )
+                lock_acquired.send(
+                    sender=request.sender,
+                    key=key,
+                    token=outcome.token,
+                    task_id=request.holder,
+                    waited=waited,
+                )
                 return outcome
             if outcome.unavailable:
                 raise LockUnavailable(
@@ -158,36 +204,32 @@ class LockManager:
                 )
             seen = outcome.holder.token if outcome.holder else None
             if woken_from is not None and seen == woken_from and baton < BATON_RETRIES:
-                # We were woken, yet some node still shows the holder that released: its
-                # release has not reached every node yet. Keep the wake-up (nobody else was
-                # woken) and try again shortly instead of sleeping until the next release.
+                # The release that woke us has not reached every node yet. We hold the only
+                # wake-up it gave: try again shortly rather than sleep, or it would be lost.
                 time.sleep(min(0.001 * 2**baton, left if left is not None else 1.0))
                 baton += 1
                 continue
             baton = 0
-            woken = self._wait_for_release(keys[2], outcome, left, ttl)
-            woken_from = seen if woken else None
+            woken_from = self._wait_for_release(keys[2], outcome, give_up, ttl)
 
-    def _attempt(
-        self,
-        key: str,
-        keys: tuple[str, str, str],
-        ttl: float,
-        holder: str | None,
-        interval: float | None,
-        max_hold: float | None,
-    ) -> Lease | _Refusal:
+    def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | _Refusal:
         """One acquisition round on every node; a lease, or why not."""
-        head = value_head(holder)
-        ttl_ms = _ms(ttl)
+        ttl = request.ttl
+        head = value_head(request.holder, queued=request.queued)
         started = time.monotonic()
-        replies = run_script(
-            self.nodes,
-            "acquire",
-            keys[:2],
-            (head, ttl_ms, self._retention_ms),
-            min(self.settings.node_timeout, ttl),
-        )
+        floor = "0" if self.redlock else "1"
+        try:
+            replies = run_script(
+                self.nodes,
+                "acquire",
+                (keys[0], keys[1], void_key(keys[0], head)),
+                (head, _ms(ttl), self._retention_ms, request.takeover, floor),
+                min(self.settings.node_timeout, ttl),
+            )
+        except BaseException:
+            # Interrupted mid-call (a soft time limit, say): nodes may have taken the key.
+            janitor.void(list(self.nodes), keys[0], void_key(keys[0], head), head, started + ttl)
+            raise
         fences: dict[int, int] = {}
         others: list[tuple[bytes, int]] = []
         errors: list[tuple[str, str]] = []
@@ -196,8 +238,10 @@ class LockManager:
                 errors.append((self.nodes[i].shown, _describe(reply)))
             elif reply[0] == 1:
                 fences[i] = int(reply[1])
-            else:
+            elif reply[0] == 0:
                 others.append((reply[1], int(reply[2])))
+            else:  # voided: cannot happen to a reply we read, only to one we gave up on
+                errors.append((self.nodes[i].shown, "attempt voided"))
         if len(fences) >= self.quorum:
             token = max(fences.values())
             if len(set(fences.values())) > 1 and not self._raise_fence(keys[1], token, fences):
@@ -207,19 +251,21 @@ class LockManager:
                 if deadline > time.monotonic():
                     return Lease(
                         self,
-                        key,
+                        request.key,
                         token,
                         head,
-                        holder=holder,
+                        holder=request.holder,
                         ttl=ttl,
                         started=started,
                         deadline=deadline,
-                        renew_interval=interval,
-                        max_hold=max_hold,
+                        renew_interval=request.interval,
+                        max_hold=request.max_hold,
+                        sender=request.sender,
                     )
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
-        return self._refusal(fences, others, errors)
+        answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
+        return self._refusal(fences, others, errors, answered)
 
     def _undo(
         self,
@@ -230,46 +276,59 @@ class LockManager:
         replies: list[Reply],
     ) -> None:
         """Release a failed attempt: now where we took the key, in the background where the
-        node did not answer (it may have taken it all the same, and waiting on it again would
-        double the time a caller waits to hear that Redis is unavailable)."""
+        node did not answer (it may take the key yet, and waiting on it again would double
+        the time a caller waits to hear that Redis is unavailable)."""
         if fences:
-            run_script(
-                [self.nodes[i] for i in fences],
-                "release",
-                (keys[0], keys[2]),
-                (head, _ms(ttl), "0"),
-                self.settings.node_timeout,
-            )
+            self._release_on([self.nodes[i] for i in fences], keys, head, ttl, wake=False)
         silent = [self.nodes[i] for i, r in enumerate(replies) if isinstance(r, BaseException)]
         if silent:
-            background(
-                run_script,
-                silent,
-                "release",
-                (keys[0], keys[2]),
-                (head, _ms(ttl), "0"),
-                self.settings.node_timeout,
-            )
+            until = time.monotonic() + ttl
+            janitor.void(silent, keys[0], void_key(keys[0], head), head, until)
+
+    def _release_on(
+        self,
+        nodes: Sequence[Node],
+        keys: tuple[str, str, str],
+        head: str,
+        ttl: float,
+        *,
+        wake: bool,
+    ) -> list[Reply]:
+        """Run the release script on ``nodes``; ``wake`` pushes a wake-up for one waiter."""
+        return run_script(
+            nodes,
+            "release",
+            (keys[0], keys[2]),
+            (head, _ms(max(ttl, 0.001)), "1" if wake else "0", head_token(head)),
+            self.settings.node_timeout,
+        )
 
     def _refusal(
         self,
         fences: dict[int, int],
         others: list[tuple[bytes, int]],
         errors: list[tuple[str, str]],
+        answered: tuple[int, ...],
     ) -> _Refusal:
         n = len(self.nodes)
-        answered = n - len([e for e in errors if e[0] != "quorum"])
-        if answered < self.quorum or (not others and errors):
-            reached = f"{answered} of {n} node(s) answered, {self.quorum} needed"
+        if len(answered) < self.quorum or (not others and errors):
+            reached = f"{len(answered)} of {n} node(s) answered, {self.quorum} needed"
             first = "; ".join(f"{node}: {err}" for node, err in errors[:3])
-            return _Refusal(True, None, None, False, tuple(errors), f"{reached} ({first})")
-        parsed = [(parse_value(value), pttl) for value, pttl in others]
-        counts = Counter(h.token if h else None for h, _ in parsed)
-        top_token, top_count = counts.most_common(1)[0]
-        holder = next((h for h, _ in parsed if h and h.token == top_token), None)
-        pttls = [pttl for h, pttl in parsed if (h.token if h else None) == top_token]
-        retry_after = max(0, min(pttls)) / 1000.0
-        return _Refusal(False, holder, retry_after, top_count < self.quorum, tuple(errors), "held")
+            return _Refusal(
+                True, None, None, False, tuple(errors), f"{reached} ({first})", answered
+            )
+        # Values of one holder differ between nodes only in the fence counter each node
+        # appended: group by the random token and report the highest fence (the real token).
+        by_token: dict[str | None, list[tuple[Holder | None, int]]] = {}
+        for value, pttl in others:
+            holder = parse_value(value)
+            by_token.setdefault(holder.token if holder else None, []).append((holder, pttl))
+        top = max(by_token.values(), key=len)
+        holders = [h for h, _ in top if h is not None]
+        holder = max(holders, key=lambda h: h.fence) if holders else None
+        retry_after = max(0, min(pttl for _, pttl in top)) / 1000.0
+        split = len(top) < self.quorum
+        return _Refusal(False, holder, retry_after, split, tuple(errors), "held", answered)
 
     def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
         """Write the token back to the quorum's counters; True if a majority recorded it."""
@@ -285,27 +344,39 @@ class LockManager:
         return done >= self.quorum
 
     def _wait_for_release(
-        self, signal_key: str, refusal: _Refusal, left: float | None, ttl: float
-    ) -> bool:
-        """Block until a release signal (True), the holder's expiry, or the end of our wait."""
+        self, signal_key: str, refusal: _Refusal, give_up: float | None, ttl: float
+    ) -> str | None:
+        """Block until a release signal, the holder's expiry, or the end of our wait.
+
+        Returns the token of the holder whose release woke us, or None (timeout, collision).
+        """
         if refusal.split:
             # Contenders collided and each holds a minority: back off at random (seed 001)
             # so one of them wins the next round.
             time.sleep(random.uniform(0.0, 0.01 + 0.002 * len(self.nodes)))
-            return False
-        block = ttl if refusal.retry_after is None else refusal.retry_after + 0.001
-        if left is not None:
-            block = min(block, left)
-        if block <= 0.001:
-            return False
-        # All waiters block on the same node, the first that works, so that one release
-        # wakes one of them; releases signal every node.
-        for node in self.nodes:
+            return None
+        expiry = ttl if refusal.retry_after is None else refusal.retry_after + 0.001
+        until = (
+            time.monotonic() + expiry
+            if give_up is None
+            else min(give_up, time.monotonic() + expiry)
+        )
+        # All waiters block on the same node, so that one release wakes one of them:
+        # the first node that answered the last attempt (releases signal every node).
+        order = list(refusal.answered) + [
+            i for i in range(len(self.nodes)) if i not in refusal.answered
+        ]
+        for i in order:
+            block = until - time.monotonic()
+            if block <= 0.001:
+                return None
             try:
-                return blocking_pop(node, signal_key, block)
+                popped = blocking_pop(self.nodes[i], signal_key, block)
             except (RedisError, OSError) as exc:
-                log_acquire.debug("cannot wait on %s: %s", node.shown, exc)
-        return False  # no node to wait on; the next attempt will report the outage
+                log_acquire.debug("cannot wait on %s: %s", self.nodes[i].shown, exc)
+                continue
+            return None if popped is None else popped.decode(errors="replace")
+        return None  # no node to wait on; the next attempt will report the outage
 
     # -- release ---------------------------------------------------------------------------
 
@@ -315,10 +386,19 @@ class LockManager:
             if not lease.set_released():
                 return False
             watchdog.discard(lease)
-            replies = self._release_everywhere(
-                lease.key, self.redis_keys(lease.key), lease.head, lease.ttl
+            replies = self._release_on(
+                self.nodes, self.redis_keys(lease.key), lease.head, lease.ttl, wake=True
             )
         deleted = sum(1 for r in replies if r == 1)
+        confirmed = deleted >= self.quorum
+        lock_released.send(
+            sender=lease.sender,
+            key=lease.key,
+            token=lease.token,
+            task_id=lease.holder,
+            held_for=time.monotonic() - lease.acquired_at,
+            confirmed=confirmed,
+        )
         failed = [
             self.nodes[i].shown for i, r in enumerate(replies) if isinstance(r, BaseException)
         ]
@@ -332,18 +412,34 @@ class LockManager:
             )
         else:
             log_release.debug("released key=%s token=%s", lease.key, lease.token)
-        return deleted >= self.quorum
+        return confirmed
 
-    def _release_everywhere(
-        self, key: str, keys: tuple[str, str, str], head: str, ttl: float
-    ) -> list[Reply]:
-        return run_script(
-            self.nodes,
-            "release",
-            (keys[0], keys[2]),
-            (head, _ms(ttl), "1"),
-            self.settings.node_timeout,
-        )
+    def hand_over(self, lease: Lease, ttl: float) -> bool:
+        """Turn ``lease`` into the queued lock of its own task's next message (a retry).
+
+        The key keeps its fencing token and passes, without a gap, to the execution of that
+        message (which takes it over). The lease itself ends here: no more renewal, no release.
+        True if a quorum confirmed; False means the lease was no longer held.
+        """
+        queued_head = value_head(lease.holder, queued=True)
+        with lease.io_lock:
+            if not lease.set_released():
+                return False
+            watchdog.discard(lease)
+            replies = run_script(
+                self.nodes,
+                "handover",
+                (self.redis_keys(lease.key)[0],),
+                (lease.head, queued_head, lease.token, _ms(ttl)),
+                self.settings.node_timeout,
+            )
+        done = sum(1 for r in replies if r == 1)
+        log_release.debug("handed key=%s over to the queued retry of %s", lease.key, lease.holder)
+        return done >= self.quorum
+
+    def forget_queued(self, lease: Lease) -> None:
+        """A queued lock's lease object is not renewed or released by this process."""
+        lease.set_released()
 
     def release_by_holder(self, key: str, holder: str) -> bool:
         """Delete ``key`` if its holder id is ``holder`` (e.g. a killed task's id).
@@ -371,13 +467,14 @@ class LockManager:
         """The current holder as a majority sees it, or None when no one holds ``key``."""
         keys = self.redis_keys(check_key(key))
         replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
-        values = [r[0] for r in replies if not isinstance(r, BaseException) and r[0]]
-        if not values:
+        holders = [parse_value(r[0]) for r in replies if not isinstance(r, BaseException) and r[0]]
+        by_token = Counter(h.token for h in holders if h is not None)
+        if not by_token:
             return None
-        value, count = Counter(values).most_common(1)[0]
+        token, count = by_token.most_common(1)[0]
         if count < self.quorum:
             return None
-        return parse_value(value)
+        return max((h for h in holders if h and h.token == token), key=lambda h: h.fence)
 
     # -- renew (called by the watchdog) ----------------------------------------------------
 

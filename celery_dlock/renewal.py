@@ -17,6 +17,8 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from celery_dlock.transport import background
+
 if TYPE_CHECKING:
     from celery_dlock.lease import Lease
     from celery_dlock.redlock import LockManager
@@ -128,8 +130,9 @@ class Watchdog:
     def _lose(self, lease: Lease, reason: str) -> None:
         self.discard(lease)
         if lease.mark_lost(reason):
-            # Free what we may still hold on some nodes, so others need not wait for expiry.
-            lease._manager.release(lease)
+            # Free what we may still hold on some nodes, so others need not wait for expiry;
+            # off this thread, so a hung node cannot delay other leases' renewals.
+            background(lease._manager.release, lease)
 
 
 def _due_at(lease: Lease) -> float:

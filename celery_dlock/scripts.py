@@ -14,26 +14,47 @@ from __future__ import annotations
 
 #: Take the lock if free and issue its fencing token.
 #:
-#: KEYS[1] lock key, KEYS[2] fence counter key.
-#: ARGV[1] value head, ARGV[2] ttl in ms, ARGV[3] fence counter retention in ms.
-#: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms}`` when held by another.
+#: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] this attempt's void marker (see VOID).
+#: ARGV[1] value head, ARGV[2] ttl in ms, ARGV[3] fence counter retention in ms,
+#: ARGV[4] a task id whose *queued* lock (enqueue-time mode) we may take over, or "".
+#: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
+#: when the counter is missing (Redlock, where nodes' clocks differ and would force a
+#: write-back round on every acquisition).
+#: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms}`` when held by another,
+#: ``{2}`` when the attempt was voided before it arrived.
 #:
-#: The counter starts at the server's clock in ms when absent (new key, expired counter, or a
-#: node that restarted empty), so tokens keep rising across such a loss as long as the key
-#: issued fewer than about one token per millisecond on average and the server clock did not
-#: step back. GET + SET PX is one command fewer than EXISTS + INCR + PEXPIRE.
+#: Taking over is allowed only from a value marked ``"queued":true`` for that task id: the
+#: lock a message holds while it waits passes to its execution without a gap, while a running
+#: execution's lock is never taken over, not even by a redelivered copy with the same id.
+#:
+#: The counter is floored at the server's clock in microseconds, so tokens keep rising across a
+#: loss of the counter (expired, restart without data, restore of an older snapshot) as long
+#: as the key issued fewer than about one token per microsecond on average and the server
+#: clock did not step back. Tokens stay below 2**53, so Lua's doubles hold them exactly.
+#: GET + SET PX is one command fewer than EXISTS + INCR + PEXPIRE.
 ACQUIRE = """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {2}
+end
 local cur = redis.call('GET', KEYS[1])
 if cur then
-  return {0, cur, redis.call('PTTL', KEYS[1])}
+  local mine = false
+  if ARGV[4] ~= '' then
+    local ok, v = pcall(cjson.decode, cur)
+    mine = ok and type(v) == 'table' and v['queued'] == true and v['holder'] == ARGV[4]
+  end
+  if not mine then
+    return {0, cur, redis.call('PTTL', KEYS[1])}
+  end
 end
 local last = redis.call('GET', KEYS[2])
-local fence
+local fence = 0
 if last then
   fence = tonumber(last) + 1
-else
+end
+if not last or ARGV[5] == '1' then
   local t = redis.call('TIME')
-  fence = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  fence = math.max(fence, tonumber(t[1]) * 1000000 + tonumber(t[2]))
 end
 local f = string.format('%d', fence)
 redis.call('SET', KEYS[2], f, 'PX', ARGV[3])
@@ -57,12 +78,16 @@ return 1
 #: Delete the lock if we own it, and wake one waiter.
 #:
 #: KEYS[1] lock key, KEYS[2] waiter signal list.
-#: ARGV[1] value head, ARGV[2] signal ttl in ms, ARGV[3] "1" to wake a waiter, "0" not to.
+#: ARGV[1] value head, ARGV[2] signal ttl in ms, ARGV[3] "1" to wake a waiter, "0" not to,
+#: ARGV[4] our random token, the signal's content.
 #: Returns 1 when deleted, 0 when the key was already gone, 2 when someone else holds it.
 #:
 #: The signal list holds at most one element and each BLPOP-ing waiter takes one, so a release
-#: wakes exactly one waiter (no herd). A key already gone signals too: on Redlock the waiters
-#: block on one node, which may be the one that lost the key. The signal expires, so an
+#: wakes exactly one waiter (no herd). The element names the releasing token: on Redlock the
+#: woken waiter may still find that token on nodes the release has not reached yet, and then
+#: retries at once instead of sleeping again (which would lose the wake-up). A key already
+#: gone signals too: on Redlock the waiters block on one node, which may be the one that lost
+#: the key. The signal expires, so an
 #: unclaimed one does not linger. Undoing a failed attempt does not signal: the lock was never
 #: ours, and a wake-up then would only start another waiter on a futile attempt.
 RELEASE = """
@@ -80,9 +105,28 @@ if ARGV[3] == '0' then
   return 0
 end
 redis.call('DEL', KEYS[2])
-redis.call('RPUSH', KEYS[2], '1')
+redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 if cur then
+  return 1
+end
+return 0
+"""
+
+#: Call off an acquisition attempt whose reply never came: delete its lock if it was taken,
+#: and leave a marker that makes the attempt fail if it only executes now.
+#:
+#: KEYS[1] lock key, KEYS[2] the attempt's void marker. ARGV[1] value head, ARGV[2] ttl in ms.
+#: Returns 1 when a lock was deleted, 0 otherwise.
+#:
+#: A node that stalls (GC, swapping, SIGSTOP) still runs the acquire it received once it
+#: resumes, possibly after our undo reached it on a new connection; without the marker that
+#: late acquire would hold the key for the whole ttl with nobody to release it.
+VOID = """
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
   return 1
 end
 return 0
@@ -101,7 +145,7 @@ local ok, v = pcall(cjson.decode, cur)
 if ok and type(v) == 'table' and v['holder'] == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('DEL', KEYS[2])
-  redis.call('RPUSH', KEYS[2], '1')
+  redis.call('RPUSH', KEYS[2], tostring(v['token']))
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   return 1
 end
@@ -148,6 +192,19 @@ end
 return out
 """
 
+#: Turn a running execution's lock into a queued lock for its own retry message, atomically.
+#:
+#: KEYS[1] lock key. ARGV[1] our value head, ARGV[2] the queued value's head, ARGV[3] the
+#: fencing token to keep, ARGV[4] ttl in ms. Returns 1 when handed over, 0 if no longer ours.
+HANDOVER = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2] .. ARGV[3] .. '}', 'PX', ARGV[4])
+  return 1
+end
+return 0
+"""
+
 #: Read a lock for inspection. KEYS[1] lock key, KEYS[2] fence counter key.
 #: Returns ``{value or false, pttl_ms, fence counter or false}``.
 INSPECT = """
@@ -158,7 +215,9 @@ ALL = {
     "acquire": ACQUIRE,
     "raise_fence": RAISE_FENCE,
     "release": RELEASE,
+    "void": VOID,
     "release_holder": RELEASE_HOLDER,
     "extend": EXTEND,
+    "handover": HANDOVER,
     "inspect": INSPECT,
 }

@@ -19,12 +19,16 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
 from redis.commands.core import Script
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from celery_dlock import scripts
 from celery_dlock.config import redact
@@ -44,14 +48,34 @@ class Node:
         self.url = url
         self.shown = redact(url)
         self.timeout = timeout
+        # No redis-py retries: a retried connect to a hung node would multiply the time a
+        # call waits; the lock layer decides what a failed node means.
         self.client: redis.Redis = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
         )
         self.scripts: dict[str, Script] = {
             name: self.client.register_script(source) for name, source in scripts.ALL.items()
         }
         self._local = threading.local()
         self._pid = os.getpid()
+        self._down_until = 0.0
+
+    @property
+    def down(self) -> bool:
+        """True for a while after the node failed to answer (see :meth:`mark_down`)."""
+        return self._down_until > time.monotonic()
+
+    def mark_down(self) -> None:
+        """Skip this node for a short cool-down after a timeout or connection failure.
+
+        With several nodes, a hung one would otherwise cost every call (and the renewal
+        watchdog) a timeout or a new connection attempt. Skipping it only ever counts it as
+        failed, which is never less safe; one call tries it again after the cool-down.
+        """
+        self._down_until = time.monotonic() + max(0.5, 2 * self.timeout)
 
     def __repr__(self) -> str:
         return f"<Node {self.shown}>"
@@ -74,6 +98,12 @@ class Node:
         if conn is None:
             conn = conns[purpose] = self._new_connection()
         return conn
+
+    def drop_connection(self, purpose: str = "cmd") -> None:
+        """Forget this thread's connection for ``purpose``; a new one is made on next use."""
+        conns: _ThreadConnections | None = getattr(self._local, "conns", None)
+        if conns is not None:
+            conns.pop(purpose, None)
 
     def close(self) -> None:
         """Close this thread's connections and the client's pool."""
@@ -104,15 +134,12 @@ def is_connected(conn: Connection) -> bool:
     return getattr(conn, "_sock", None) is not None
 
 
-class _Connector:
-    """A small persistent thread pool that opens several connections in parallel.
+class _ProcessPool:
+    """A small persistent thread pool, made on first use and again after fork."""
 
-    Only used when two or more nodes need a new connection at once (first use, or after
-    failures), so that a node that accepts TCP but never answers delays the call by one
-    timeout, not one per node. Recreated after fork.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, name: str, workers: int) -> None:
+        self._name = name
+        self._workers = workers
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -120,22 +147,31 @@ class _Connector:
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
-                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dlock-connect")
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._name)
                 self._pid = os.getpid()
             return self._pool
 
 
-_connector = _Connector()
+#: Opens several connections in parallel, so that nodes which accept TCP but never answer
+#: delay a call by one timeout, not one per node. Only ever runs ``connect()``, never waits on
+#: itself, so it cannot deadlock; its threads start on demand, and there are enough that one
+#: caller's connects (the watchdog's) do not queue behind many others'.
+_connector = _ProcessPool("dlock-connect", 64)
+#: Runs one-shot cleanup (releasing what a lost lease may still hold) off the caller's thread.
+_background = _ProcessPool("dlock-background", 4)
 
 
 def background(fn: Any, *args: Any) -> None:
-    """Run ``fn(*args)`` on the connector pool, not waiting for it (best-effort cleanup)."""
-    _connector.get().submit(fn, *args)
+    """Run ``fn(*args)`` on a small background thread pool, not waiting for it."""
+    _background.get().submit(fn, *args)
 
 
-def _connect_all(conns: Sequence[Connection], replies: list[Reply]) -> None:
-    """Connect every connection that is not; a failure becomes that node's reply."""
-    todo = [i for i, conn in enumerate(conns) if not is_connected(conn)]
+def _connect_all(
+    nodes: Sequence[Node], conns: Sequence[Connection], replies: list[Reply], timeout: float
+) -> None:
+    """Connect every connection that is not, giving up after ``timeout``; a failure becomes
+    that node's reply."""
+    todo = [i for i, conn in enumerate(conns) if replies[i] is _PENDING and not is_connected(conn)]
     if not todo:
         return
     if len(todo) == 1:
@@ -146,9 +182,15 @@ def _connect_all(conns: Sequence[Connection], replies: list[Reply]) -> None:
             replies[i] = exc
         return
     pool = _connector.get()
+    begun = time.monotonic()
     futures = {i: pool.submit(conns[i].connect) for i in todo}
     for i, future in futures.items():
-        failure = future.exception()
+        try:
+            failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
+        except FutureTimeout:
+            # Still connecting in the background: never use that connection object.
+            nodes[i].drop_connection()
+            failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
         if failure is not None:
             replies[i] = failure
 
@@ -180,7 +222,12 @@ def run_script(
     """
     conns = [node.connection() for node in nodes]
     replies: list[Reply] = [_PENDING] * len(nodes)
-    _connect_all(conns, replies)
+    several = len(nodes) > 1
+    if several:
+        for i, node in enumerate(nodes):
+            if node.down:
+                replies[i] = RedisConnectionError(f"{node.shown} is cooling down after a failure")
+    _connect_all(nodes, conns, replies, timeout)
     todo = [i for i, reply in enumerate(replies) if reply is _PENDING]
     if not todo:
         return replies
@@ -192,6 +239,10 @@ def run_script(
         log.info("script %s not cached on %d node(s); sending its source", name, len(forgot))
         packed = conns[forgot[0]].pack_command("EVAL", script.script, len(keys), *keys, *args)
         _exchange(nodes, conns, forgot, packed, timeout, replies)
+    if several:
+        for i in todo:
+            if isinstance(replies[i], RedisConnectionError | RedisTimeoutError | OSError):
+                nodes[i].mark_down()
     return replies
 
 
@@ -203,48 +254,69 @@ def _exchange(
     timeout: float,
     replies: list[Reply],
 ) -> None:
-    """Write ``packed`` to each connection in ``todo``, then read each reply by one deadline."""
-    sent: list[int] = []
-    for i in todo:
-        conn = conns[i]
-        try:
-            if _stale(conn):
-                # Readable before we asked: the server closed the connection (restart,
-                # idle timeout). Reconnect rather than fail this call.
-                conn.disconnect()
-                conn.connect()
-            conn.send_packed_command(packed, check_health=False)
-            sent.append(i)
-        except (RedisError, OSError) as exc:
-            replies[i] = exc
-    deadline = time.monotonic() + timeout
-    for i in sent:
-        conn = conns[i]
-        try:
-            # One node alone may simply block up to its socket timeout; with several, a slow
-            # one must not eat into the time left for the others.
-            if (len(nodes) > 1 or timeout < nodes[i].timeout) and not conn.can_read(
-                max(deadline - time.monotonic(), 0.0)
-            ):
-                conn.disconnect()
-                raise RedisTimeoutError(f"no answer within {timeout:g} s")
-            replies[i] = conn.read_response()
-        except (RedisError, OSError) as exc:
-            replies[i] = exc
+    """Write ``packed`` to each connection in ``todo``, then read each reply by one deadline.
+
+    If anything interrupts us (a soft time limit, ``LockLost`` raised into the thread), every
+    connection whose reply is still unread is dropped before the exception goes on, so that
+    reply can never be read as the answer to a later command.
+    """
+    unread: list[int] = []
+    try:
+        for i in todo:
+            conn = conns[i]
+            try:
+                if _stale(conn):
+                    # Readable before we asked: the server closed the connection (restart,
+                    # idle timeout). Reconnect rather than fail this call.
+                    conn.disconnect()
+                    conn.connect()
+                conn.send_packed_command(packed, check_health=False)
+                unread.append(i)
+            except (RedisError, OSError) as exc:
+                replies[i] = exc
+        deadline = time.monotonic() + timeout
+        while unread:
+            i = unread[0]
+            conn = conns[i]
+            try:
+                # One node alone may simply block up to its socket timeout; with several, a
+                # slow one must not eat into the time left for the others.
+                if (len(nodes) > 1 or timeout < nodes[i].timeout) and not conn.can_read(
+                    max(deadline - time.monotonic(), 0.0)
+                ):
+                    conn.disconnect()
+                    raise RedisTimeoutError(f"no answer within {timeout:g} s")
+                replies[i] = conn.read_response()
+            except (RedisError, OSError) as exc:
+                replies[i] = exc
+            unread.pop(0)
+    except BaseException:
+        for i in unread:
+            conns[i].disconnect()
+        raise
 
 
-def blocking_pop(node: Node, key: str, seconds: float) -> bool:
-    """BLPOP ``key`` for up to ``seconds`` on this thread's wait connection; True if popped.
+def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
+    """BLPOP ``key`` for up to ``seconds`` on this thread's wait connection.
 
-    Raises ``RedisError`` / ``OSError`` when the node cannot be used, so the caller can try
-    another node.
+    Returns the popped element, or None when the wait ran out. Raises ``RedisError`` /
+    ``OSError`` when the node cannot be used, so the caller can try another node. An
+    interrupted wait drops its connection, or its BLPOP would go on to swallow a wake-up
+    meant for another waiter.
     """
     conn = node.connection("wait")
     if is_connected(conn) and _stale(conn):
         conn.disconnect()
-    conn.send_command("BLPOP", key, f"{seconds:.3f}")
-    # The server answers nil at its own timeout; allow it the node timeout on top.
-    if not conn.can_read(seconds + node.timeout):
+    try:
+        conn.send_command("BLPOP", key, f"{seconds:.3f}")
+        # The server answers nil at its own timeout; allow it the node timeout on top.
+        if not conn.can_read(seconds + node.timeout):
+            raise RedisTimeoutError(f"BLPOP on {node.shown} did not answer")
+        reply = conn.read_response()
+    except BaseException:
         conn.disconnect()
-        raise RedisTimeoutError(f"BLPOP on {node.shown} did not answer")
-    return conn.read_response() is not None
+        raise
+    if not reply:
+        return None
+    popped: bytes = reply[1]
+    return popped

@@ -25,7 +25,7 @@ GOOD = ["redis://127.0.0.1:1/0"]
         ({"ttl": True}, "ttl must be a number of seconds, not True"),
         (
             {"ttl": 3, "renew_interval": 3},
-            "renew_interval (3 s) must be shorter than the ttl (3 s)",
+            "renew_interval (3 s) must be shorter than the ttl (3 s) less its drift allowance",
         ),
         ({"ttl": 3, "renew_interval": 9}, "renew_interval (9 s) must be shorter than the ttl"),
         ({"ttl": 3, "renew_interval": 0}, "renew_interval must be > 0 seconds"),
@@ -130,3 +130,15 @@ def test_bad_settings(setting: str, value: Any, message: str) -> None:
 def test_first_argument_must_be_app_or_urls() -> None:
     with pytest.raises(ConfigError, match="needs a Celery app or a list of Redis URLs"):
         lock(3.5, "k")
+
+
+def test_renew_interval_must_leave_room_for_the_drift_allowance() -> None:
+    with pytest.raises(ConfigError, match=r"renew_interval \(0.995 s\) must be shorter"):
+        lock(GOOD, "k", ttl=1, renew_interval=0.995)
+    with pytest.warns(DLockConfigWarning, match="over half the ttl"):
+        lock(GOOD, "k", ttl=1, renew_interval=0.6)
+
+
+def test_ttl_must_outlast_its_drift_allowance() -> None:
+    with pytest.raises(ConfigError, match=r"ttl \(0.005 s\) is too short"):
+        lock(GOOD, "k", ttl=0.005)

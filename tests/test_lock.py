@@ -238,7 +238,7 @@ def test_validity_runs_out_on_the_monotonic_clock_before_redis_notices(
     single_urls: list[str],
 ) -> None:
     freezegun = pytest.importorskip("freezegun")
-    with freezegun.freeze_time("2030-01-01", tick=True) as clock:
+    with freezegun.freeze_time("2030-01-01") as clock:
         lease = lock(single_urls, "paused", ttl=10, renew=False).acquire()
         lease.ensure()
         clock.tick(9.95)  # a 10 s pause (GC, SIGSTOP): the drift allowance has passed

@@ -1,0 +1,199 @@
+"""Lock keys for tasks: one call, one key, however its arguments were spelled.
+
+A task's arguments are bound to its signature first (defaults applied), so ``collect("s", "e")``,
+``collect(source="s", entity="e")`` and ``collect("s", "e", window=None)`` (when ``None`` is the
+default) give one key. Values are put in a canonical form: dicts by sorted key, tuples as
+lists, sets sorted; UUIDs, dates, datetimes, decimals and bytes by a tagged string; anything
+else is refused with an error naming the argument, because a key built from ``repr()`` of an
+arbitrary object could differ between two calls that mean the same thing.
+
+``lock_key`` may be:
+
+* ``None`` — the task name and every argument;
+* a sequence of argument names — the task name and those arguments;
+* a format template over argument names, ``"meta:{source}:{entity}"`` — exactly that text;
+* a callable ``(args, kwargs) -> str`` — exactly what it returns.
+
+Keys longer than :data:`LONG_KEY` characters are shortened to a readable prefix plus a SHA-256
+digest of the whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import hashlib
+import inspect
+import json
+import math
+import string
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery_dlock.errors import ConfigError
+
+#: Keys longer than this are hashed (their readable start is kept).
+LONG_KEY = 200
+
+KeyFunction = Callable[[Sequence[Any], Mapping[str, Any]], str]
+
+
+def _canonical(value: Any, where: str) -> Any:
+    """A JSON-compatible value that is equal for equal inputs; raises for unkeyable ones."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return {"float": repr(value)}
+        return value
+    if isinstance(value, list | tuple):
+        return [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        items = [(_canonical(k, f"{where} key"), _canonical(v, f"{where}[{k!r}]"))
+                 for k, v in value.items()]  # fmt: skip
+        if all(isinstance(k, str) for k, _ in items):
+            return dict(sorted(items, key=lambda kv: kv[0]))
+        return {"dict": sorted(items, key=lambda kv: _dumps(kv[0]))}
+    if isinstance(value, set | frozenset):
+        return {"set": sorted((_canonical(v, f"{where} item") for v in value), key=_dumps)}
+    if isinstance(value, uuid.UUID):
+        return {"uuid": str(value)}
+    if isinstance(value, datetime.datetime):
+        return {"datetime": value.isoformat()}
+    if isinstance(value, datetime.date):
+        return {"date": value.isoformat()}
+    if isinstance(value, decimal.Decimal):
+        return {"decimal": str(value)}
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    raise ConfigError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which cannot be "
+        "part of a lock key (only None, bool, int, float, str, list, tuple, dict, set, UUID, "
+        "date, datetime, Decimal and bytes can). Key on other arguments with lock_key=[...], "
+        "or give lock_key a template or a callable."
+    )
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def shorten(key: str) -> str:
+    """``key`` itself, or for a long one its first 64 characters and a digest of the whole."""
+    if len(key) <= LONG_KEY:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return f"{key[:64]}…sha256:{digest}"
+
+
+class KeyBuilder:
+    """Turns a task call's ``(args, kwargs)`` into its lock key; built once per task class."""
+
+    def __init__(self, task_name: str, run: Callable[..., Any], lock_key: Any) -> None:
+        self.task_name = task_name
+        self.lock_key = lock_key
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(run)
+        except (TypeError, ValueError):  # a builtin or otherwise opaque callable
+            self.signature = None
+        self._build = self._make(lock_key)
+
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        return self._build(args, kwargs)
+
+    def _make(self, lock_key: Any) -> KeyFunction:
+        where = f"task {self.task_name!r}: lock_key"
+        if lock_key is None:
+            return lambda args, kwargs: self._named(self._bind(args, kwargs))
+        if isinstance(lock_key, str):
+            fields = self._template_fields(lock_key, where)
+            return lambda args, kwargs: self._format(lock_key, fields, args, kwargs)
+        if callable(lock_key):
+            return lambda args, kwargs: self._call(lock_key, args, kwargs)
+        if isinstance(lock_key, Sequence) and all(isinstance(n, str) for n in lock_key):
+            names = list(lock_key)
+            self._check_names(names, where)
+            return lambda args, kwargs: self._named(
+                {n: v for n, v in self._lookup(args, kwargs).items() if n in names}
+            )
+        raise ConfigError(
+            f"{where} must be None, a list of argument names, a template such as "
+            f"'meta:{{source}}:{{entity}}', or a callable (args, kwargs) -> str; got {lock_key!r}."
+        )
+
+    def _parameters(self) -> Mapping[str, inspect.Parameter]:
+        return {} if self.signature is None else self.signature.parameters
+
+    def _check_names(self, names: Sequence[str], where: str) -> None:
+        if self.signature is None:
+            return
+        params = self._parameters()
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        unknown = [n for n in names if n not in params and not takes_any]
+        if unknown:
+            raise ConfigError(
+                f"{where} names {', '.join(map(repr, unknown))}, which the task does not take; "
+                f"its arguments are {', '.join(params) or '(none)'}."
+            )
+
+    def _template_fields(self, template: str, where: str) -> list[str]:
+        try:
+            parsed = list(string.Formatter().parse(template))
+        except ValueError as exc:
+            raise ConfigError(f"{where} {template!r} is not a valid template: {exc}.") from None
+        fields = []
+        for _, field, _, _ in parsed:
+            if field is None:
+                continue
+            name = field.split(".", 1)[0].split("[", 1)[0]
+            if not name or name.isdigit():
+                raise ConfigError(
+                    f"{where} {template!r} must name arguments, e.g. '{{source}}', not "
+                    f"'{{{field}}}'."
+                )
+            fields.append(name)
+        self._check_names(fields, where)
+        return fields
+
+    def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Arguments by parameter name, defaults applied; ``*args``/``**kw`` kept as such."""
+        if self.signature is None:
+            return {"args": list(args), "kwargs": dict(kwargs)}
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"task {self.task_name!r} called with bad arguments: {exc}") from None
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def _lookup(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Bound arguments with ``**kwargs`` entries lifted to the top, for lookup by name."""
+        arguments = self._bind(args, kwargs)
+        for param in self._parameters().values():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                extra = arguments.pop(param.name, {})
+                arguments.update({k: v for k, v in extra.items() if k not in arguments})
+        return arguments
+
+    def _named(self, arguments: Mapping[str, Any]) -> str:
+        canonical = {
+            name: _canonical(value, f"argument {name!r} of task {self.task_name!r}")
+            for name, value in arguments.items()
+        }
+        return shorten(f"{self.task_name}:{_dumps(canonical)}")
+
+    def _format(
+        self, template: str, fields: list[str], args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> str:
+        arguments = self._lookup(args, kwargs)
+        return shorten(template.format_map({name: arguments.get(name) for name in fields}))
+
+    def _call(self, fn: KeyFunction, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        key = fn(args, kwargs)
+        if not isinstance(key, str) or not key:
+            raise ConfigError(
+                f"task {self.task_name!r}: lock_key callable {fn!r} returned {key!r}; it must "
+                "return a non-empty str."
+            )
+        return shorten(key)

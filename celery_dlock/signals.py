@@ -1,0 +1,30 @@
+"""Signals for metrics and logs: a lock acquired, contended, lost or released.
+
+Celery ``Signal`` objects; connect receivers the Celery way::
+
+    from celery_dlock import lock_lost
+
+    @lock_lost.connect
+    def alert(sender, key, token, task_id, reason, **kwargs): ...
+
+``sender`` is the task (a ``SingletonTask`` instance) when a task holds the lock, else None.
+Every signal carries ``key`` (the lock name as the user's key made it), ``token`` (the fencing
+token, None when no lease was taken) and ``task_id`` (None outside tasks). Receivers run in
+the thread that sent the signal (``lock_lost`` usually in the renewal watchdog's), must be
+quick, and their exceptions are logged, never raised.
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+#: A lease was taken. Extra: ``waited`` (seconds spent waiting for it).
+lock_acquired = Signal(name="dlock_lock_acquired")
+#: The key was held by another. Extra: ``holder`` (a :class:`~celery_dlock.Holder` or None),
+#: ``policy`` (what happens now: "drop", "requeue", "raise", "wait", or "merge" when an
+#: enqueue-time duplicate was answered with the queued task's result).
+lock_contended = Signal(name="dlock_lock_contended")
+#: A held lease was lost. Extra: ``reason``, ``held_for`` (seconds since it was taken).
+lock_lost = Signal(name="dlock_lock_lost")
+#: A lease was given back. Extra: ``held_for`` (seconds), ``confirmed`` (a quorum deleted it).
+lock_released = Signal(name="dlock_lock_released")

@@ -1,0 +1,201 @@
+"""The lock core under faults: stalled nodes, interrupted calls, stale counters, busy pools."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_dlock import LockContended, LockUnavailable, lock
+from celery_dlock.lease import Lease
+from celery_dlock.lock import manager_for
+from celery_dlock.testing import RedisServer
+
+pytestmark = pytest.mark.local_redis
+
+
+def app_for(urls: list[str], **conf: Any) -> Celery:
+    app = Celery("test", set_as_current=False)
+    app.conf.dlock_urls = urls
+    app.conf.update(conf)
+    return app
+
+
+class Interrupted(Exception):
+    """Raised into the main thread by a timer, like a soft time limit."""
+
+
+@contextmanager
+def interrupt_after(seconds: float) -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_interrupted_call_never_leaves_a_reply_for_the_next_command(
+    servers: list[RedisServer],
+) -> None:
+    """An exception mid-call (soft time limit) must not let the next command read the old
+    reply: here the old reply would say "acquired" for a key someone else holds."""
+    urls = [s.url for s in servers[:3]]
+    app = app_for(urls, dlock_node_timeout=2.0)
+    manager = manager_for(app)
+    other = manager.acquire("k2", ttl=30, renew=False)  # B holds k2 everywhere
+    servers[1].pause()
+    with pytest.raises(Interrupted), interrupt_after(0.3):
+        manager.acquire("k1", ttl=30, renew=False)  # node 1 stalls; we are interrupted
+    servers[1].resume()
+    with pytest.raises(LockContended):
+        manager.acquire("k2", ttl=30, renew=False)
+    # The interrupted attempt is undone in the background, on every node, soon.
+    deadline = time.monotonic() + 5
+    while any(redis.Redis.from_url(u).exists("dlock:{k1}") for u in urls):
+        assert time.monotonic() < deadline, "the interrupted attempt was never undone"
+        time.sleep(0.05)
+    other.release()
+
+
+def test_many_failed_attempts_with_nodes_down_do_not_stall_renewal(
+    servers: list[RedisServer],
+) -> None:
+    app = app_for([s.url for s in servers], dlock_node_timeout=0.2)
+    lease = lock(app, "alive", ttl=1.0).acquire()
+    blocker = lock(app, "busy", ttl=30).acquire()
+    for server in servers[:2]:
+        server.pause()
+
+    def contender() -> None:
+        with pytest.raises(LockContended):
+            lock(app, "busy", ttl=30).acquire()
+
+    threads = [threading.Thread(target=contender) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    renewals = lease.renewals
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:  # the time under test: two seconds of ttl-1 renewals
+        time.sleep(0.1)
+    assert not lease.lost
+    assert lease.renewals >= renewals + 4
+    for server in servers[:2]:
+        server.resume()
+    lease.release()
+    blocker.release()
+
+
+def test_single_redis_tokens_rise_past_a_counter_restored_from_an_old_snapshot(
+    server: RedisServer,
+) -> None:
+    manager = manager_for([server.url])
+    first = manager.acquire("snap", ttl=5, renew=False)
+    first.release()
+    second = manager.acquire("snap", ttl=5, renew=False)
+    second.release()
+    # An older snapshot comes back: the counter is behind the tokens already issued.
+    redis.Redis(port=server.port).set("dlock:{snap}:fence", first.token)
+    third = manager.acquire("snap", ttl=5, renew=False)
+    assert third.token > second.token
+    third.release()
+
+
+def test_an_acquire_that_timed_out_is_undone_once_the_node_answers(server: RedisServer) -> None:
+    app = app_for([server.url], dlock_node_timeout=0.2)
+    manager_for(app).acquire("warm", ttl=5, renew=False).release()
+    server.pause()
+    with pytest.raises(LockUnavailable):
+        lock(app, "phantom", ttl=30).acquire()
+    time.sleep(0.6)  # the stall being simulated, longer than the node timeout
+    server.resume()
+    client = redis.Redis(port=server.port)
+    deadline = time.monotonic() + 5
+    while client.exists("dlock:{phantom}"):
+        assert time.monotonic() < deadline, "a phantom lock stayed for the whole ttl"
+        time.sleep(0.05)
+    with lock(app, "phantom", ttl=30):
+        pass
+
+
+def test_waiters_are_woken_when_the_first_node_is_stalled(servers: list[RedisServer]) -> None:
+    app = app_for([s.url for s in servers], dlock_node_timeout=0.2)
+    holder = lock(app, "stall", ttl=30).acquire()
+    servers[0].pause()
+    got: list[float] = []
+
+    def waiter() -> None:
+        with lock(app, "stall", ttl=30, wait=10):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)  # let the waiter block (pacing: the assertion below needs no ordering)
+    released = time.monotonic()
+    holder.release()
+    thread.join(timeout=10)
+    servers[0].resume()
+    assert got, "the waiter never got the lock"
+    assert got[0] - released < 1.0
+
+    started = time.monotonic()
+    with lock(app, "stall", ttl=30):
+        servers[0].pause()
+        with pytest.raises(LockContended), lock(app, "stall", ttl=30, wait=1.5):
+            pass
+        servers[0].resume()
+    assert time.monotonic() - started < 1.5 + 1.0, "the wait bound was overrun"
+
+
+def test_an_interrupted_waiter_does_not_swallow_the_next_wake_up(
+    single_urls: list[str],
+) -> None:
+    holder = lock(single_urls, "swallow", ttl=30).acquire()
+    with pytest.raises(Interrupted), interrupt_after(0.2):
+        lock(single_urls, "swallow", ttl=30, wait=10).acquire()
+    got: list[Lease] = []
+
+    def waiter() -> None:
+        got.append(lock(single_urls, "swallow", ttl=30, wait=10).acquire())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.3)  # let the second waiter block
+    released = time.monotonic()
+    holder.release()
+    thread.join(timeout=10)
+    assert got, "no waiter got the lock"
+    assert got[0].acquired_at - released < 0.5
+    got[0].release()
+
+
+def test_contention_and_inspection_report_the_real_token_when_counters_differ(
+    redlock_urls: list[str],
+) -> None:
+    for i, url in enumerate(redlock_urls):
+        redis.Redis.from_url(url).set("dlock:{differ}:fence", 100 * (i + 1))
+    manager = manager_for(redlock_urls)
+    lease = manager.acquire("differ", ttl=10, renew=False)
+    assert lease.token == 501
+    with pytest.raises(LockContended) as info:
+        manager.acquire("differ", ttl=10, renew=False)
+    assert info.value.holder is not None
+    assert info.value.holder.fence == 501
+    held = manager.holder("differ")
+    assert held is not None
+    assert held.fence == 501
+    lease.release()
+    assert manager.holder("differ") is None
