@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Sequence
@@ -256,44 +257,75 @@ def _exchange(
 ) -> None:
     """Write ``packed`` to each connection in ``todo``, then read each reply by one deadline.
 
+    With several nodes, one ``poll()`` over all their sockets both finds connections the
+    server has closed (readable before we asked) and waits for replies in whatever order they
+    come, instead of a readiness check per node.
+
     If anything interrupts us (a soft time limit, ``LockLost`` raised into the thread), every
     connection whose reply is still unread is dropped before the exception goes on, so that
     reply can never be read as the answer to a later command.
     """
-    unread: list[int] = []
+    unread: dict[int, int] = {}  # socket fd -> node index
     try:
+        stale = _stale_set(conns, todo) if len(todo) > 1 else None
         for i in todo:
             conn = conns[i]
             try:
-                if _stale(conn):
+                if (i in stale) if stale is not None else _stale(conn):
                     # Readable before we asked: the server closed the connection (restart,
                     # idle timeout). Reconnect rather than fail this call.
                     conn.disconnect()
                     conn.connect()
                 conn.send_packed_command(packed, check_health=False)
-                unread.append(i)
+                unread[conn._sock.fileno()] = i
             except (RedisError, OSError) as exc:
                 replies[i] = exc
+        if len(unread) == 1 and timeout >= nodes[next(iter(unread.values()))].timeout:
+            # One node alone may simply block up to its socket timeout.
+            i = unread.popitem()[1]
+            replies[i] = _read(conns[i])
+            return
         deadline = time.monotonic() + timeout
+        poller = select.poll()
+        for fd in unread:
+            poller.register(fd, select.POLLIN)
         while unread:
-            i = unread[0]
-            conn = conns[i]
-            try:
-                # One node alone may simply block up to its socket timeout; with several, a
-                # slow one must not eat into the time left for the others.
-                if (len(nodes) > 1 or timeout < nodes[i].timeout) and not conn.can_read(
-                    max(deadline - time.monotonic(), 0.0)
-                ):
-                    conn.disconnect()
-                    raise RedisTimeoutError(f"no answer within {timeout:g} s")
-                replies[i] = conn.read_response()
-            except (RedisError, OSError) as exc:
-                replies[i] = exc
-            unread.pop(0)
+            left = deadline - time.monotonic()
+            ready = poller.poll(max(left, 0.0) * 1000) if left > 0 else []
+            if not ready:
+                for i in unread.values():
+                    conns[i].disconnect()
+                    replies[i] = RedisTimeoutError(f"no answer within {timeout:g} s")
+                unread.clear()
+                break
+            for fd, _ in ready:
+                i = unread.pop(fd)
+                poller.unregister(fd)
+                replies[i] = _read(conns[i])
     except BaseException:
-        for i in unread:
+        for i in unread.values():
             conns[i].disconnect()
         raise
+
+
+def _read(conn: Connection) -> Reply:
+    """One reply, or the exception that stands in for it."""
+    try:
+        return conn.read_response()
+    except (RedisError, OSError) as exc:
+        return exc
+
+
+def _stale_set(conns: Sequence[Connection], todo: Sequence[int]) -> set[int]:
+    """Which of the connections have data or EOF waiting before we asked anything."""
+    poller = select.poll()
+    by_fd: dict[int, int] = {}
+    for i in todo:
+        sock = getattr(conns[i], "_sock", None)
+        if sock is not None:
+            by_fd[sock.fileno()] = i
+            poller.register(sock, select.POLLIN)
+    return {by_fd[fd] for fd, _ in poller.poll(0)}
 
 
 def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
