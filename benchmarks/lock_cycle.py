@@ -49,7 +49,7 @@ import redis
 from _common import machine, pin
 from pottery import Redlock
 
-from celery_dlock.lock import manager_for
+from celery_dlock.registry import manager_for
 from celery_dlock.testing import redis_servers
 
 TTL_S = 10

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from celery_dlock import worker as _worker  # noqa: F401  (connects the Celery signal receivers)
 from celery_dlock.config import DLockConfigWarning
 from celery_dlock.errors import (
     ConfigError,
@@ -15,9 +16,11 @@ from celery_dlock.errors import (
     LockLost,
     LockUnavailable,
 )
+from celery_dlock.guard import LockGuard, lock
 from celery_dlock.holder import Holder
 from celery_dlock.lease import Lease
-from celery_dlock.lock import LockGuard, lock
+from celery_dlock.signals import lock_acquired, lock_contended, lock_lost, lock_released
+from celery_dlock.task import SingletonTask
 
 try:
     __version__ = version("celery-dlock")
@@ -34,6 +37,11 @@ __all__ = [
     "LockGuard",
     "LockLost",
     "LockUnavailable",
+    "SingletonTask",
     "__version__",
     "lock",
+    "lock_acquired",
+    "lock_contended",
+    "lock_lost",
+    "lock_released",
 ]

@@ -16,18 +16,25 @@ so ``except LockContended`` never swallows a lost lease or an outage.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_dlock.holder import Holder
 
 
 class DLockError(Exception):
-    """Base class of every celery_dlock error; ``key`` names the lock when there is one."""
+    """Base class of every celery_dlock error; ``key`` names the lock when there is one.
+
+    Every error can be rebuilt from its message alone (as Celery's result backends do when
+    a task fails with one), and pickles with its attributes.
+    """
 
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self.args, self.__dict__)
 
 
 class LockContended(DLockError):
@@ -41,7 +48,7 @@ class LockContended(DLockError):
         self,
         message: str,
         *,
-        key: str,
+        key: str | None = None,
         holder: Holder | None = None,
         retry_after: float | None = None,
     ) -> None:
@@ -54,7 +61,9 @@ class LockContended(DLockError):
 class LockLost(DLockError):
     """A lease that was held is no longer known to be exclusive; ``reason`` says why."""
 
-    def __init__(self, message: str, *, key: str, reason: str, token: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, key: str | None = None, reason: str = "", token: int | None = None
+    ) -> None:
         super().__init__(message, key=key)
         self.reason = reason
         self.token = token

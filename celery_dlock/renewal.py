@@ -67,6 +67,12 @@ class Watchdog:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def leases(self) -> list[Lease]:
+        """The leases this process holds and renews now."""
+        self._fork_check()
+        with self._cond:
+            return list(self._leases)
+
     def _run(self) -> None:
         cond = self._cond
         while True:

@@ -22,7 +22,8 @@ from celery.utils.dispatch import Signal
 lock_acquired = Signal(name="dlock_lock_acquired")
 #: The key was held by another. Extra: ``holder`` (a :class:`~celery_dlock.Holder` or None),
 #: ``policy`` (what happens now: "drop", "requeue", "raise", "wait", or "merge" when an
-#: enqueue-time duplicate was answered with the queued task's result).
+#: enqueue-time duplicate was answered with the queued task's result), and ``retry_in``
+#: (seconds until a requeued duplicate comes back; None for other policies).
 lock_contended = Signal(name="dlock_lock_contended")
 #: A held lease was lost. Extra: ``reason``, ``held_for`` (seconds since it was taken).
 lock_lost = Signal(name="dlock_lock_lost")

@@ -14,7 +14,7 @@ from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
 from celery_dlock.lease import Lease
-from celery_dlock.lock import manager_for
+from celery_dlock.registry import manager_for
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer
 

@@ -6,65 +6,25 @@
         lease.ensure()              # right before touching the protected resource
         write(row, fence=lease.token)
 
-Managers (clients of one node set) are made once per settings and shared, so calling
-``lock()`` often costs no new connections.
+The lock manager for an app or URL list is made once and shared (see :mod:`registry`), so
+calling ``lock()`` often costs no new connections.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from celery_dlock.config import (
-    Settings,
-    check_key,
-    check_renew_interval,
-    check_seconds,
-    check_ttl,
-    check_urls,
-)
-from celery_dlock.errors import ConfigError
+from celery_dlock.config import check_key, check_renew_interval, check_seconds, check_ttl
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.redlock import LockManager
+from celery_dlock.registry import manager_for
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_managers: dict[Settings, LockManager] = {}
-_app_managers: weakref.WeakKeyDictionary[Any, LockManager] = weakref.WeakKeyDictionary()
-_registry_lock = threading.Lock()
-
-
-def manager_for_settings(settings: Settings) -> LockManager:
-    with _registry_lock:
-        manager = _managers.get(settings)
-        if manager is None:
-            manager = _managers[settings] = LockManager(settings)
-        return manager
-
-
-def manager_for(app_or_urls: Any) -> LockManager:
-    """The shared manager for a Celery app (its ``dlock_*`` settings, read once) or URL list."""
-    if isinstance(app_or_urls, LockManager):
-        return app_or_urls
-    if hasattr(app_or_urls, "conf"):
-        manager = _app_managers.get(app_or_urls)
-        if manager is None:
-            from celery_dlock.config import settings_from_app
-
-            manager = manager_for_settings(settings_from_app(app_or_urls))
-            _app_managers[app_or_urls] = manager
-        return manager
-    if isinstance(app_or_urls, str | Sequence):
-        return manager_for_settings(Settings(urls=check_urls(app_or_urls)))
-    raise ConfigError(
-        "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
-        f"{type(app_or_urls).__name__} ({app_or_urls!r})."
-    )
 
 
 class LockGuard:

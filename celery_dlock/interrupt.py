@@ -1,0 +1,102 @@
+"""Stopping a task body whose lease was lost, from the watchdog thread that noticed.
+
+A body that goes on after its lease is gone is no longer exclusive, so by default it is
+stopped with :class:`~celery_dlock.LockLost`:
+
+* in a process's main thread (prefork children, the solo pool) a real-time signal is sent to
+  the process; its handler raises ``LockLost`` in the body, which also breaks ``time.sleep``
+  and blocking socket calls, like Celery's soft time limit does;
+* in any other thread (the threads pool) the exception is set asynchronously on that thread
+  (``PyThreadState_SetAsyncExc``); it lands at the next Python bytecode, so a body blocked in
+  a long C call (a socket read, ``time.sleep``) notices only when that call returns.
+
+Either way the body is interrupted only while it is running: once it has returned, a late
+signal is ignored and a pending asynchronous exception is cleared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from celery_dlock.errors import LockLost
+
+log = logging.getLogger("celery_dlock.renew")
+
+#: The signal used in main threads; real-time, so no other Celery or billiard handler uses it.
+SIGNAL: int | None = getattr(signal, "SIGRTMIN", None)
+if SIGNAL is not None:
+    SIGNAL += 3
+
+
+class LockLostInterrupt(LockLost):
+    """What lands in the body; the task turns it into the lease's own :class:`LockLost`."""
+
+    def __init__(self, message: str = "lease lost while the task ran") -> None:
+        super().__init__(message, key="?", reason="lost while running")
+
+
+class _Run:
+    """One running body that may be interrupted."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.main = threading.current_thread() is threading.main_thread()
+        self.active = True
+        self.requested = False
+        self.delivered = False
+
+
+_lock = threading.Lock()
+_runs: dict[int, _Run] = {}  # thread ident -> its running body
+_handler_installed = False
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # Runs in the main thread between bytecodes; takes no locks (the main thread may hold one).
+    run = _runs.get(threading.get_ident())
+    if run is not None and run.active and run.requested and not run.delivered:
+        run.delivered = True
+        raise LockLostInterrupt
+
+
+def start() -> _Run:
+    """Mark the current thread's body as interruptible; call from the thread running it."""
+    global _handler_installed
+    run = _Run()
+    if run.main and SIGNAL is not None and not _handler_installed:
+        signal.signal(SIGNAL, _on_signal)
+        _handler_installed = True
+    with _lock:
+        _runs[run.thread] = run
+    return run
+
+
+def stop(run: _Run) -> None:
+    """The body has ended: no interruption may land after this returns."""
+    with _lock:
+        run.active = False
+        _runs.pop(run.thread, None)
+        if run.requested and not run.main:
+            # Clear it if it has not landed yet (a no-op if it has).
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(run.thread), None)
+
+
+def interrupt(run: _Run) -> None:
+    """Raise ``LockLost`` in ``run``'s body if it is still running; callable from any thread."""
+    with _lock:
+        if not run.active or run.requested:
+            return
+        run.requested = True
+        if run.main and SIGNAL is not None and _handler_installed:
+            os.kill(os.getpid(), SIGNAL)
+        else:
+            done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(run.thread), ctypes.py_object(LockLostInterrupt)
+            )
+            if done != 1:
+                log.warning("cannot interrupt thread %s, whose lease was lost", run.thread)

@@ -1,0 +1,56 @@
+"""One lock manager per app or URL list, made on first use and shared by the process.
+
+A manager owns the Redis clients of one node set, so sharing it means ``lock()`` and every
+task reuse the same connections. An app's ``dlock_*`` settings are read once, on first use
+(after the app's configuration has loaded); :func:`forget` drops what was cached, for tests
+that reconfigure an app.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from celery_dlock.config import Settings, check_urls, settings_from_app
+from celery_dlock.errors import ConfigError
+from celery_dlock.redlock import LockManager
+
+_managers: dict[Settings, LockManager] = {}
+_app_managers: weakref.WeakKeyDictionary[Any, LockManager] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def manager_for_settings(settings: Settings) -> LockManager:
+    with _registry_lock:
+        manager = _managers.get(settings)
+        if manager is None:
+            manager = _managers[settings] = LockManager(settings)
+        return manager
+
+
+def manager_for(app_or_urls: Any) -> LockManager:
+    """The shared manager for a Celery app (its ``dlock_*`` settings, read once) or URL list."""
+    if isinstance(app_or_urls, LockManager):
+        return app_or_urls
+    if hasattr(app_or_urls, "conf"):
+        manager = _app_managers.get(app_or_urls)
+        if manager is None:
+            manager = manager_for_settings(settings_from_app(app_or_urls))
+            _app_managers[app_or_urls] = manager
+        return manager
+    if isinstance(app_or_urls, str | Sequence):
+        return manager_for_settings(Settings(urls=check_urls(app_or_urls)))
+    raise ConfigError(
+        "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
+        f"{type(app_or_urls).__name__} ({app_or_urls!r})."
+    )
+
+
+def forget(app: Any) -> None:
+    """Drop the manager cached for ``app`` and its tasks' resolved settings."""
+    with _registry_lock:
+        _app_managers.pop(app, None)
+    for task in getattr(app, "_tasks", {}).values():
+        task.__dict__.pop("_dlock_resolved", None)

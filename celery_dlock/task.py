@@ -1,0 +1,531 @@
+"""``SingletonTask``: a Celery task that runs one at a time per lock key, cluster-wide.
+
+::
+
+    from celery_dlock import SingletonTask
+
+    @app.task(base=SingletonTask)                      # key: task name + all arguments
+    def replicate(): ...
+
+    @app.task(base=SingletonTask, bind=True, lock_key="meta:{source}:{entity}",
+              on_duplicate="requeue", lock_ttl=30)
+    def collect(self, source, entity, window=None):
+        self.lease.ensure()                            # right before the protected write
+        store(rows, fence=self.lease.token)
+
+The lease is taken in the worker right before the body runs (``lock_on="execute"``, the
+default) and released on every way out: return, exception, ``self.retry()``, ``Ignore`` and
+``Reject``, warm shutdown, and ``revoke(terminate=True)`` (the parent worker process releases
+what the killed child held). A worker killed outright leaves a lease that expires after
+``lock_ttl``. While the body runs, the renewal watchdog keeps the lease alive; if it is lost the
+body is stopped with :class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
+
+With ``lock_on="enqueue"`` the key is taken when the task is published, as celery-singleton
+does: a duplicate ``.delay()`` returns the ``AsyncResult`` of the task already queued or running
+for that key, and the queued message's lock passes to its execution without a gap.
+
+Every option can be a keyword of ``@app.task(...)`` or a class attribute; they are checked when
+the task class is created.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery import Task, states
+from celery.exceptions import Ignore
+from celery.utils import uuid
+from celery.utils.time import get_exponential_backoff_interval
+
+from celery_dlock import interrupt
+from celery_dlock.config import check_seconds, check_ttl
+from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
+from celery_dlock.holder import Holder
+from celery_dlock.keys import KeyBuilder
+from celery_dlock.lease import Lease
+from celery_dlock.redlock import LockManager
+from celery_dlock.registry import manager_for
+from celery_dlock.signals import lock_contended
+
+log = logging.getLogger("celery_dlock.task")
+
+POLICIES = ("drop", "requeue", "raise", "wait")
+LOCK_ON = ("execute", "enqueue")
+ON_LOST = ("raise", "flag")
+ON_UNAVAILABLE = ("requeue", "raise")
+
+#: Message headers the library adds (kept by Celery on retries).
+HEADER_REQUEUES = "dlock_requeues"  # requeues of a duplicate so far
+HEADER_UNAVAILABLE = "dlock_unavailable"  # requeues because Redis was unreachable so far
+HEADER_QUEUED = "dlock_queued"  # the message holds a queued lock (enqueue-time mode)
+HEADER_DUPLICATE_OF = "dlock_duplicate_of"  # published while this task id held the key
+
+LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
+
+
+if TYPE_CHECKING:
+    _TaskBase = Task[Any, Any]
+else:
+    _TaskBase = Task
+
+
+class SingletonTask(_TaskBase):
+    """Task base class: at most one execution per lock key at a time, cluster-wide."""
+
+    #: The lock key: None (task name + every argument), a list of argument names (task name +
+    #: those), a template over argument names ("meta:{source}:{entity}", used as written), or
+    #: a callable ``(args, kwargs) -> str`` (used as returned).
+    lock_key: Any = None
+    #: Lease length in seconds, renewed while the body runs; None = the ``dlock_ttl`` setting.
+    lock_ttl: float | None = None
+    #: What a duplicate does: "drop" (finish at once, result names the holder), "requeue"
+    #: (come back later, with backoff), "raise" (fail with LockContended), "wait" (block until
+    #: the key frees, up to ``lock_wait``).
+    on_duplicate: str = "drop"
+    #: When the key is taken: "execute" (in the worker) or "enqueue" (when published).
+    lock_on: str = "execute"
+    #: Longest wait in seconds for ``on_duplicate="wait"``.
+    lock_wait: float = 60.0
+    #: Most requeues of one duplicate before it fails with LockContended.
+    lock_requeue_max: int = 50
+    #: First requeue delay (seconds); later ones double, with full jitter, up to the cap.
+    lock_requeue_delay: float = 1.0
+    #: Longest requeue delay (seconds). Keep it well under the broker's visibility timeout.
+    lock_requeue_max_delay: float = 30.0
+    #: What a lost lease does: "raise" (stop the body with LockLost; the task fails), "flag"
+    #: (only mark ``self.lease.lost``; the body checks ``self.lease.ensure()``), or a callable
+    #: ``(task, lease, error)`` run in the watchdog thread.
+    on_lock_lost: Any = "raise"
+    #: Longest total time one execution may hold the key, however often it is renewed; None =
+    #: the task's hard time limit when one is set, else no bound.
+    lock_max_hold: float | None = None
+    #: Enqueue-time mode: how long a queued message's lock lives (seconds, plus any countdown),
+    #: so that a lost message cannot block its key for ever.
+    lock_queued_ttl: float = 600.0
+    #: What a task does when Redis is unreachable as it starts: "requeue" (with backoff, up to
+    #: ``lock_requeue_max`` times, then fail with LockUnavailable) or "raise" (fail at once).
+    on_lock_unavailable: str = "requeue"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_options(cls)
+
+    @classmethod
+    def bind(cls, app: Any) -> Any:
+        bound = super().bind(app)
+        if cls.lock_on == "enqueue":
+            from celery_dlock.worker import enqueue_apps
+
+            enqueue_apps.add(app)
+        return bound
+
+    # -- the running lease ---------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease the current execution holds (None outside a running singleton body)."""
+        return getattr(self.request, "_dlock_lease", None)
+
+    # -- configuration, resolved on first use --------------------------------------------------
+
+    def _dlock(self) -> _Resolved:
+        resolved: _Resolved | None = self.__dict__.get("_dlock_resolved")
+        if resolved is None:
+            with _resolve_lock:
+                resolved = self.__dict__.get("_dlock_resolved")
+                if resolved is None:
+                    resolved = _Resolved(self)
+                    self.__dict__["_dlock_resolved"] = resolved
+        return resolved
+
+    def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The lock key a call with these arguments takes."""
+        return self._dlock().keys(args or (), kwargs or {})
+
+    # -- execution -----------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)  # a plain function call takes no lock
+        resolved = self._dlock()
+        key = resolved.keys(args, kwargs)
+        headers = request.headers or {}
+        duplicate_of = headers.get(HEADER_DUPLICATE_OF)
+        if duplicate_of:
+            return self._drop(key, None, duplicate_of)
+        run = interrupt.start() if self.on_lock_lost == "raise" else None
+        try:
+            try:
+                lease = resolved.manager.acquire(
+                    key,
+                    ttl=resolved.ttl,
+                    wait=self.lock_wait if self.on_duplicate == "wait" else 0.0,
+                    holder=request.id,
+                    max_hold=resolved.max_hold(request),
+                    on_lost=self._on_lost_handler(run),
+                    takeover=request.id if self.lock_on == "enqueue" else None,
+                    sender=self,
+                )
+            except LockContended as exc:
+                return self._contended(key, exc, args, kwargs)
+            except LockUnavailable as exc:
+                return self._unavailable(key, exc, args, kwargs)
+            vars(request)["_dlock_lease"] = lease
+            try:
+                result = super().__call__(*args, **kwargs)
+            finally:
+                if run is not None:
+                    interrupt.stop(run)
+                    run = None
+                vars(request)["_dlock_lease"] = None
+                lease.release()  # a no-op when a retry already released or handed it over
+            if self.on_lock_lost == "raise" and lease.lost:
+                # The body finished, but not necessarily alone: do not report success.
+                lease.ensure_lost_error()
+            return result
+        except interrupt.LockLostInterrupt:
+            lost = getattr(locals().get("lease"), "ensure_lost_error", None)
+            if lost is not None:
+                lost()
+            raise
+        finally:
+            if run is not None:
+                interrupt.stop(run)
+
+    def _on_lost_handler(self, run: Any) -> Callable[[Lease, LockLost], None] | None:
+        policy = self.on_lock_lost
+        if policy == "raise":
+            return lambda lease, error: interrupt.interrupt(run)
+        if callable(policy):
+            return lambda lease, error: policy(self, lease, error)
+        return None
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: Exception | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Release the key before the retry is published (execution-time mode).
+
+        Celery publishes the retry before raising ``Retry``, and the retry may start on another
+        process before this one unwinds, so the key must be free first: the retried run takes
+        it again. (In enqueue-time mode the key passes to the retry message instead.)
+        """
+        lease = self.lease
+        if lease is not None and throw and self.lock_on == "execute":
+            lease.release()
+        return super().retry(
+            args=args,
+            kwargs=kwargs,
+            exc=exc,
+            throw=throw,
+            eta=eta,
+            countdown=countdown,
+            max_retries=max_retries,
+            **options,
+        )
+
+    # -- duplicates ----------------------------------------------------------------------------
+
+    def _contended(
+        self, key: str, exc: LockContended, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        request = self.request
+        holder = exc.holder
+        if holder is not None and holder.holder == request.id and not holder.queued:
+            # Held by another execution of this very task id.
+            delivery = request.delivery_info or {}
+            if delivery.get("redelivered"):
+                # A redelivered copy (visibility timeout, late acks) of a task still running:
+                # end quietly, writing no result over the running one's.
+                log.info(
+                    "task %s[%s]: a redelivered copy while the first still holds %r; skipped",
+                    self.name,
+                    request.id,
+                    key,
+                )
+                self._signal(key, holder, "drop")
+                raise Ignore()
+            # A retry that found its predecessor's key not yet released: come back soon.
+            return self._requeue(HEADER_REQUEUES, exc, args, kwargs, key=key)
+        policy = self.on_duplicate
+        if policy == "requeue":
+            return self._requeue(HEADER_REQUEUES, exc, args, kwargs, key=key)
+        self._signal(key, holder, policy)
+        if policy == "drop":
+            return self._drop(key, holder, holder.holder if holder else None)
+        raise exc  # "raise", or "wait" that ran out
+
+    def _signal(
+        self, key: str, holder: Holder | None, policy: str, retry_in: float | None = None
+    ) -> None:
+        lock_contended.send(
+            sender=self,
+            key=key,
+            token=None,
+            task_id=self.request.id,
+            holder=holder,
+            policy=policy,
+            retry_in=retry_in,
+        )
+
+    def _drop(self, key: str, holder: Holder | None, holder_id: str | None) -> dict[str, Any]:
+        log.info(
+            "task %s[%s] dropped: %r is held by task %s",
+            self.name,
+            self.request.id,
+            key,
+            holder_id,
+        )
+        return {
+            "dlock_dropped": True,
+            "key": key,
+            "holder": holder_id,
+            "holder_host": holder.host if holder else None,
+            "holder_pid": holder.pid if holder else None,
+        }
+
+    def _unavailable(
+        self, key: str, exc: LockUnavailable, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        if self.on_lock_unavailable == "raise":
+            log.error("task %s[%s]: %s", self.name, self.request.id, exc)
+            raise exc
+        return self._requeue(HEADER_UNAVAILABLE, exc, args, kwargs)
+
+    def _requeue(
+        self,
+        header: str,
+        exc: LockContended | LockUnavailable,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        key: str | None = None,
+    ) -> Any:
+        """Publish this same task (same id, same options) again after a jittered backoff, and
+        end this execution without a result; after ``lock_requeue_max`` requeues, fail."""
+        request = self.request
+        headers = dict(request.headers or {})
+        done = int(headers.get(header, 0))
+        if done >= self.lock_requeue_max or request.is_eager:
+            raise exc
+        delay = requeue_delay(done, self.lock_requeue_delay, self.lock_requeue_max_delay)
+        if key is not None and isinstance(exc, LockContended):
+            self._signal(key, exc.holder, "requeue", retry_in=delay)
+        headers[header] = done + 1
+        signature = self.signature_from_request(
+            request, tuple(args), dict(kwargs), countdown=delay, headers=headers
+        )
+        Task.apply_async(self, signature.args, signature.kwargs, **signature.options)
+        level = logging.WARNING if isinstance(exc, LockUnavailable) else logging.INFO
+        log.log(
+            level,
+            "task %s[%s] requeued in %.2f s (%d of %d): %s",
+            self.name,
+            request.id,
+            delay,
+            done + 1,
+            self.lock_requeue_max,
+            exc,
+        )
+        raise Ignore()
+
+    # -- enqueue-time mode ---------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """In enqueue-time mode, take the key before publishing, or return the holder's result."""
+        headers = options.get("headers") or {}
+        if self.lock_on != "enqueue" or self.app.conf.task_always_eager:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        task_id = task_id or uuid()
+        key, holder_id = queue_lock(self, args or (), kwargs or {}, task_id, options)
+        if holder_id is not None:
+            return self.AsyncResult(holder_id)
+        options["headers"] = {**headers, HEADER_QUEUED: 1}
+        try:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        except BaseException:
+            if key is not None:  # not published: free the key again
+                self._dlock().manager.release_by_holder(key, task_id)
+            raise
+
+
+def queue_lock(
+    task: SingletonTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    task_id: str,
+    options: Mapping[str, Any],
+) -> tuple[str | None, str | None]:
+    """Take the queued lock for a message about to be published (enqueue-time mode).
+
+    Returns ``(key, None)`` when this message now holds ``key``; ``(None, holder_id)`` when
+    another task holds it (this message is a duplicate of ``holder_id``); ``(None, None)``
+    when no lock could be taken (Redis unreachable, or a holder that is not a task): publish
+    anyway, the execution-time lock still protects the body.
+    """
+    resolved = task._dlock()
+    manager = resolved.manager
+    key = resolved.keys(args, kwargs)
+    ttl = task.lock_queued_ttl + _delay_of(options)
+    running = task.lease
+    if running is not None and running.key == key and running.holder == task_id:
+        # A retry (or re-publish) of the running execution: the key goes with the message.
+        manager.hand_over(running, ttl)
+        return key, None
+    for attempt in (1, 2):
+        try:
+            queued = manager.acquire(
+                key, ttl=ttl, holder=task_id, renew=False, queued=True, takeover=task_id
+            )
+        except LockUnavailable as exc:
+            log.warning(
+                "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
+            )
+            return None, None
+        except LockContended as exc:
+            holder = exc.holder
+            if holder is None or holder.holder is None:
+                return None, None
+            if attempt == 1 and holder.queued and _revoked(task, holder.holder):
+                # The queued task was revoked before any worker saw it: the key is free.
+                manager.release_by_holder(key, holder.holder)
+                continue
+            lock_contended.send(
+                sender=task,
+                key=key,
+                token=None,
+                task_id=task_id,
+                holder=holder,
+                policy="merge",
+                retry_in=None,
+            )
+            return None, holder.holder
+        manager.forget_queued(queued)
+        return key, None
+    return None, None
+
+
+def _revoked(task: SingletonTask, task_id: str) -> bool:
+    try:
+        return str(task.AsyncResult(task_id).state) == states.REVOKED
+    except Exception:  # no result backend, or it is down: assume not revoked
+        return False
+
+
+def requeue_delay(done: int, first: float, cap: float) -> float:
+    """Exponential backoff with full jitter, from Celery's own helper, in milliseconds so the
+    jitter is not limited to whole seconds; never below a tenth of the first delay."""
+    ms = get_exponential_backoff_interval(
+        factor=max(1, round(first * 1000)),
+        retries=done,
+        maximum=max(1, round(cap * 1000)),
+        full_jitter=True,
+    )
+    return max(ms / 1000.0, first / 10.0)
+
+
+_resolve_lock = threading.Lock()
+
+
+class _Resolved:
+    """A task's lock settings with the app's ``dlock_*`` settings applied; made on first use."""
+
+    def __init__(self, task: SingletonTask) -> None:
+        self.manager: LockManager = manager_for(task.app)
+        self.ttl = task.lock_ttl if task.lock_ttl is not None else self.manager.settings.ttl
+        self.keys = KeyBuilder(task.name, task.run, task.lock_key)
+        self._task = task
+
+    def max_hold(self, request: Any) -> float | None:
+        if self._task.lock_max_hold is not None:
+            return float(self._task.lock_max_hold)
+        limit = (request.timelimit or (None, None))[0] or self._task.time_limit
+        if limit is None:
+            limit = self._task.app.conf.task_time_limit
+        return float(limit) if limit else None
+
+
+def check_options(cls: type[SingletonTask]) -> None:
+    """Fail at task definition on any bad option, naming the task, the option and the fix."""
+    name = getattr(cls, "name", None) or cls.__qualname__
+    where = f"task {name!r}"
+
+    def choice(option: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(cls, option)
+        if value not in allowed:
+            raise ConfigError(
+                f"{where}: {option}={value!r} is not one of {', '.join(map(repr, allowed))}."
+            )
+
+    choice("on_duplicate", POLICIES)
+    choice("lock_on", LOCK_ON)
+    choice("on_lock_unavailable", ON_UNAVAILABLE)
+    if not callable(cls.on_lock_lost):
+        choice("on_lock_lost", ON_LOST)
+    if cls.lock_ttl is not None:
+        check_ttl(f"{where}: lock_ttl", cls.lock_ttl)
+    check_seconds(f"{where}: lock_wait", cls.lock_wait)
+    check_seconds(f"{where}: lock_requeue_delay", cls.lock_requeue_delay)
+    check_seconds(f"{where}: lock_requeue_max_delay", cls.lock_requeue_max_delay)
+    check_seconds(f"{where}: lock_queued_ttl", cls.lock_queued_ttl)
+    if cls.lock_max_hold is not None:
+        check_seconds(f"{where}: lock_max_hold", cls.lock_max_hold)
+    if cls.lock_requeue_max_delay < cls.lock_requeue_delay:
+        raise ConfigError(
+            f"{where}: lock_requeue_max_delay ({cls.lock_requeue_max_delay:g} s) is below "
+            f"lock_requeue_delay ({cls.lock_requeue_delay:g} s)."
+        )
+    limit = cls.lock_requeue_max
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ConfigError(f"{where}: lock_requeue_max must be an int >= 0, got {limit!r}.")
+    if cls.on_duplicate == "wait" and cls.lock_on == "enqueue":
+        raise ConfigError(
+            f"{where}: on_duplicate='wait' does not apply with lock_on='enqueue' (duplicates "
+            "are answered with the queued task's result when published)."
+        )
+    run = cls.__dict__.get("run")
+    if run is not None:
+        # Validates lock_key against the signature now, not at the first call.
+        KeyBuilder(name, getattr(run, "__func__", run), cls.lock_key)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _delay_of(options: Mapping[str, Any]) -> float:
+    """Seconds until a message with these options may run (countdown or eta)."""
+    countdown = options.get("countdown")
+    if countdown:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, datetime):
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=timezone.utc)
+        return max(0.0, (eta - _utcnow()).total_seconds())
+    return 0.0

@@ -1,0 +1,86 @@
+"""What Celery's signals tell us that a running task cannot see for itself.
+
+Connected when ``celery_dlock`` is imported, so they exist in the worker's parent process
+(task modules are imported there before the pool forks) and in every publisher:
+
+* ``task_revoked`` (worker parent): a task killed by ``revoke(terminate=True)`` cannot release
+  its lease, and a revoked *queued* task never takes over its queued lock; release both by
+  holder id, which is the task id (an owner-checked delete: a key held by any other task id
+  is left alone).
+* ``before_task_publish`` (publishers): in enqueue-time mode, messages published without
+  going through ``SingletonTask.apply_async`` (``send_task`` by name, a beat process that did
+  not import the task) take the queued lock here, or are marked as duplicates, which the
+  worker then drops without running the body.
+* ``worker_process_shutdown`` (pool child): release whatever the process still holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from celery.signals import before_task_publish, task_revoked, worker_process_shutdown
+
+from celery_dlock.renewal import watchdog
+from celery_dlock.task import HEADER_DUPLICATE_OF, HEADER_QUEUED, SingletonTask, queue_lock
+
+log = logging.getLogger("celery_dlock.release")
+
+#: Apps that have enqueue-time singleton tasks (SingletonTask.bind adds them).
+enqueue_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@task_revoked.connect
+def release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if not isinstance(sender, SingletonTask) or request is None or not request.id:
+        return
+    try:
+        key = sender.lock_key_for(request.args or (), request.kwargs or {})
+        if sender._dlock().manager.release_by_holder(key, request.id):
+            log.info("released %r of revoked task %s[%s]", key, sender.name, request.id)
+    except Exception:  # never break the worker's revoke handling
+        log.exception("could not release the lock of revoked task %s", request.id)
+
+
+@before_task_publish.connect
+def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **_: Any) -> None:
+    if not headers or HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
+        return
+    task = _enqueue_task(sender)
+    if task is None or not isinstance(body, tuple | list) or len(body) < 2:
+        return
+    eta = headers.get("eta")
+    options = {"eta": _parse_eta(eta)} if eta else {}
+    try:
+        key, holder_id = queue_lock(task, body[0] or (), body[1] or {}, headers["id"], options)
+    except Exception:  # a bad argument fails in the worker with its clear error instead
+        log.exception("could not take the queued lock for %s[%s]", sender, headers.get("id"))
+        return
+    if holder_id is not None:
+        headers[HEADER_DUPLICATE_OF] = holder_id
+    elif key is not None:
+        headers[HEADER_QUEUED] = 1
+
+
+def _enqueue_task(name: Any) -> SingletonTask | None:
+    for app in list(enqueue_apps):
+        task = app.tasks.get(name)
+        if isinstance(task, SingletonTask) and task.lock_on == "enqueue":
+            return task
+    return None
+
+
+def _parse_eta(eta: Any) -> Any:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+    except ValueError:
+        return None
+
+
+@worker_process_shutdown.connect
+def release_held(**_: Any) -> None:
+    for lease in watchdog.leases():
+        lease.release()

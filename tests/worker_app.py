@@ -1,0 +1,180 @@
+"""The Celery app the worker tests run in real ``celery worker`` processes.
+
+Configured from the environment the test fixtures set (broker, result backend, lock URLs,
+journal). Every task writes what it does to a journal (a Redis list, written before and after
+the body's work, so it survives the process being killed): event, task id, key, fencing token,
+``time.monotonic()`` (CLOCK_MONOTONIC, comparable across processes on one machine), pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+from celery_dlock import SingletonTask, lock_contended, lock_lost
+
+app = Celery(
+    "worker_app",
+    broker=os.environ.get("DLOCK_TEST_BROKER", "redis://127.0.0.1:6379/0"),
+    backend=os.environ.get("DLOCK_TEST_BACKEND", "redis://127.0.0.1:6379/1"),
+)
+app.conf.update(
+    dlock_urls=os.environ.get("DLOCK_TEST_LOCK_URLS", "redis://127.0.0.1:6379/2").split(","),
+    dlock_node_timeout=0.5,
+    broker_connection_retry_on_startup=True,
+    worker_prefetch_multiplier=1,
+    task_acks_late=os.environ.get("DLOCK_TEST_ACKS_LATE") == "1",
+    worker_hijack_root_logger=False,
+    result_expires=600,
+)
+if os.environ.get("DLOCK_TEST_VISIBILITY"):
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ["DLOCK_TEST_VISIBILITY"])
+    }
+
+_journal: redis.Redis | None = None
+
+
+def journal() -> redis.Redis:
+    global _journal
+    if _journal is None or _journal.connection_pool.pid != os.getpid():
+        _journal = redis.Redis.from_url(
+            os.environ.get("DLOCK_TEST_JOURNAL", "redis://127.0.0.1:6379/3")
+        )
+    return _journal
+
+
+def record(event: str, **fields: Any) -> None:
+    entry = {"event": event, "t": time.monotonic(), "pid": os.getpid(), **fields}
+    journal().rpush("journal", json.dumps(entry, default=str))
+
+
+@signals.worker_ready.connect
+def _ready(sender: Any = None, **_: Any) -> None:
+    record("worker_ready", hostname=getattr(sender, "hostname", None))
+
+
+@lock_lost.connect
+def _lost(
+    sender: Any = None, key: str = "", reason: str = "", task_id: Any = None, **_: Any
+) -> None:
+    record("lost", key=key, reason=reason, id=task_id)
+
+
+@lock_contended.connect
+def _contended(
+    sender: Any = None, key: str = "", task_id: Any = None, policy: str = "", **kw: Any
+) -> None:
+    holder = kw.get("holder")
+    record(
+        "contended",
+        key=key,
+        id=task_id,
+        policy=policy,
+        retry_in=kw.get("retry_in"),
+        holder=getattr(holder, "holder", None),
+    )
+
+
+def _body(task: Any, name: str, secs: float, **extra: Any) -> None:
+    lease = task.lease
+    request = task.request
+    base = {
+        "id": request.id,
+        "key": lease.key if lease else None,
+        "token": lease.token if lease else None,
+        "retries": request.retries,
+        "redelivered": (request.delivery_info or {}).get("redelivered"),
+        "name": name,
+        **extra,
+    }
+    record("start", **base)
+    end = time.monotonic() + secs
+    while time.monotonic() < end:  # the body's "work", in slices (threads-pool interrupts)
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    record("end", **base)
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=3)
+def drop_task(self: Any, name: str, secs: float = 0.0) -> str:
+    _body(self, name, secs)
+    return name
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_key=["name"],
+    lock_ttl=3,
+    on_duplicate="requeue",
+    lock_requeue_delay=0.2,
+    lock_requeue_max_delay=1.0,
+    lock_requeue_max=200,
+)
+def requeue_task(self: Any, name: str, n: int, secs: float = 0.0) -> int:
+    _body(self, name, secs, n=n)
+    return n
+
+
+@app.task(base=SingletonTask, bind=True, lock_key=["name"], on_duplicate="raise", lock_ttl=3)
+def raise_task(self: Any, name: str, n: int = 0, secs: float = 0.0) -> int:
+    _body(self, name, secs, n=n)
+    return n
+
+
+@app.task(
+    base=SingletonTask, bind=True, lock_key=["name"], on_duplicate="wait", lock_wait=20, lock_ttl=3
+)
+def wait_task(self: Any, name: str, n: int = 0, secs: float = 0.0) -> int:
+    _body(self, name, secs, n=n)
+    return n
+
+
+@app.task(base=SingletonTask, bind=True, lock_key="meta:{source}:{entity}", lock_ttl=3)
+def collect(self: Any, source: str, entity: str, window: Any = None, secs: float = 0.0) -> str:
+    _body(self, f"{source}:{entity}", secs)
+    return f"{source}:{entity}"
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=1.5)
+def lossy(self: Any, name: str, secs: float = 10.0) -> str:
+    _body(self, name, secs)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=2)
+def long_task(self: Any, name: str, secs: float = 30.0) -> str:
+    _body(self, name, secs)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=3, max_retries=3)
+def flaky(self: Any, name: str, countdown: float = 0.2) -> int:
+    _body(self, name, 0.1)
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    return int(self.request.retries)
+
+
+@app.task(base=SingletonTask, bind=True, lock_on="enqueue", lock_ttl=3, lock_queued_ttl=60)
+def enqueued(self: Any, name: str, secs: float = 0.0) -> str:
+    _body(self, name, secs)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_on="enqueue", lock_ttl=3, lock_queued_ttl=60)
+def enqueued_flaky(self: Any, name: str, countdown: float = 2.0) -> int:
+    _body(self, name, 0.1)
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    return int(self.request.retries)
+
+
+@app.task(base=SingletonTask, bind=True)
+def keyed_by_everything(self: Any, payload: Any) -> str:
+    return "ran"
