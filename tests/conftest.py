@@ -17,6 +17,8 @@ import redis
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer, redis_servers
 
+pytest_plugins = ("tests.celery_fixtures",)
+
 EXTERNAL = [u for u in os.environ.get("DLOCK_TEST_REDIS_URLS", "").split(",") if u.strip()]
 
 

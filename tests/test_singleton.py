@@ -2,101 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import redis
 from celery import states
 
-from tests.workers import Journal, Worker, intervals, overlaps, use_lock_urls
+from tests.celery_fixtures import Mode, submit_concurrently
+from tests.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass
-class Mode:
-    name: str
-    lock_urls: list[str]
-    env: dict[str, str]
-
-
-def with_db(url: str, db: int) -> str:
-    base = url.rsplit("/", 1)[0] if url.count("/") >= 3 else url
-    return f"{base}/{db}"
-
-
-@pytest.fixture(scope="session")
-def celery_base(_single_session: list[str]) -> str:
-    """The Redis that carries the broker (db 10), results (11), single locks (12), journal (13)."""
-    return _single_session[0]
-
-
-@pytest.fixture(scope="module", params=["single", "redlock5"])
-def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
-    if request.param == "single":
-        lock_urls = [with_db(celery_base, 12)]
-    else:
-        lock_urls = request.getfixturevalue("_redlock_session")
-    env = {
-        "DLOCK_TEST_BROKER": with_db(celery_base, 10),
-        "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
-        "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
-        "DLOCK_TEST_LOCK_URLS": ",".join(lock_urls),
-    }
-    return Mode(request.param, lock_urls, env)
-
-
-@pytest.fixture(scope="module")
-def wa(mode: Mode) -> Any:
-    """The test process's copy of ``tests.worker_app``, pointed at this mode's servers."""
-    import os
-
-    os.environ.update(mode.env)
-    from tests import worker_app
-
-    worker_app.app.conf.broker_url = mode.env["DLOCK_TEST_BROKER"]
-    worker_app.app.conf.result_backend = mode.env["DLOCK_TEST_BACKEND"]
-    use_lock_urls(worker_app.app, mode.lock_urls)
-    return worker_app
-
-
-@pytest.fixture
-def journal(mode: Mode) -> Journal:
-    journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
-    journal.clear()
-    for url in mode.lock_urls:
-        redis.Redis.from_url(url).flushdb()
-    return journal
-
-
-@pytest.fixture(scope="module")
-def worker(mode: Mode, wa: Any) -> Iterator[Worker]:
-    journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
-    started = Worker(mode.env, journal, name=f"main-{mode.name}").start()
-    yield started
-    started.stop()
-
-
-def submit_concurrently(fn: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
-    """Call ``fn(*args, **kwargs)`` for every call at once from threads; results in order."""
-    results: list[Any] = [None] * len(calls)
-    barrier = threading.Barrier(len(calls))
-
-    def go(i: int) -> None:
-        barrier.wait()
-        args, kwargs = calls[i]
-        results[i] = fn(*args, **kwargs)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return results
 
 
 # -- duplicates --------------------------------------------------------------------------------
@@ -300,3 +216,40 @@ def test_an_argument_that_cannot_form_a_key_fails_naming_it(
         Exception, match=r"argument 'payload' of task .* cannot be part of a lock key"
     ):
         wa.keyed_by_everything.apply(kwargs={"payload": object()}).get()
+
+
+@pytest.mark.parametrize("task_name", ["ignoring", "rejecting"])
+def test_ignore_and_reject_release_the_key(
+    wa: Any, worker: Worker, journal: Journal, task_name: str
+) -> None:
+    task = getattr(wa, task_name)
+    task.delay(f"{task_name}-1")
+    journal.wait_for("start", name=f"{task_name}-1")
+    key = task.lock_key_for((f"{task_name}-1",), {})
+    manager = task._dlock().manager
+    deadline = time.monotonic() + 5
+    while manager.holder(key) is not None:  # released as the body ends, not after the ttl
+        assert time.monotonic() < deadline, f"{task_name}: the key was never released"
+        time.sleep(0.02)
+    task.delay(f"{task_name}-1")
+    journal.wait_for("start", name=f"{task_name}-1", count=2)
+
+
+def test_max_hold_bounds_a_hung_body(wa: Any, worker: Worker, journal: Journal) -> None:
+    result = wa.bounded.delay("hung", 10.0)
+    with pytest.raises(Exception, match="max_hold"):
+        result.get(timeout=10)
+    start = journal.select("start", name="hung")[0]
+    lost = journal.wait_for("lost", id=result.id)[0]
+    assert 1.0 <= lost["t"] - start["t"] < 1.0 + 0.6 + 0.4
+
+
+def test_flag_policy_lets_the_body_decide(
+    wa: Any, worker: Worker, journal: Journal, mode: Mode
+) -> None:
+    result = wa.flagged.delay("flag", 2.0)
+    start = journal.wait_for("start", name="flag")[0]
+    for url in mode.lock_urls:
+        redis.Redis.from_url(url).delete(f"dlock:{{{start['key']}}}")
+    assert result.get(timeout=10) is True  # ran to the end, and saw its lease lost
+    assert journal.select("end", name="flag")

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.exceptions import Ignore, Reject
 
 from celery_dlock import SingletonTask, lock_contended, lock_lost
 
@@ -178,3 +179,27 @@ def enqueued_flaky(self: Any, name: str, countdown: float = 2.0) -> int:
 @app.task(base=SingletonTask, bind=True)
 def keyed_by_everything(self: Any, payload: Any) -> str:
     return "ran"
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=3)
+def ignoring(self: Any, name: str) -> None:
+    _body(self, name, 0.0)
+    raise Ignore()
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=3)
+def rejecting(self: Any, name: str) -> None:
+    _body(self, name, 0.0)
+    raise Reject("rejected on purpose", requeue=False)
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=0.6, lock_max_hold=1.0)
+def bounded(self: Any, name: str, secs: float = 5.0) -> str:
+    _body(self, name, secs)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=3, on_lock_lost="flag")
+def flagged(self: Any, name: str, secs: float = 2.0) -> bool:
+    _body(self, name, secs)
+    return bool(self.lease.lost)

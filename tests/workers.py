@@ -104,8 +104,10 @@ class Worker:
         name: str,
         pool: str = "prefork",
         concurrency: int = 4,
+        queue: str | None = None,
     ) -> None:
         self.env = env
+        self.queue = queue
         self.journal = journal
         self.name = name
         self.pool = pool
@@ -123,6 +125,7 @@ class Worker:
             "-P", self.pool, "-c", str(self.concurrency), "-n", self.hostname,
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-l", "INFO", "--logfile", str(self.logfile),
+            *(["-Q", self.queue] if self.queue else []),
         ]  # fmt: skip
         env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(args, env=env, cwd=ROOT, start_new_session=True)

@@ -1,0 +1,96 @@
+"""Fixtures for tests with real ``celery worker`` processes: one broker Redis, a mode (single
+Redis or Redlock-5 for the locks), the test process's copy of ``tests.worker_app``, a journal,
+and a module-scoped worker."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from tests.workers import Journal, Worker, use_lock_urls
+
+
+@dataclass
+class Mode:
+    name: str
+    lock_urls: list[str]
+    env: dict[str, str]
+
+
+def with_db(url: str, db: int) -> str:
+    base = url.rsplit("/", 1)[0] if url.count("/") >= 3 else url
+    return f"{base}/{db}"
+
+
+@pytest.fixture(scope="session")
+def celery_base(_single_session: list[str]) -> str:
+    """The Redis that carries the broker (db 10), results (11), single locks (12), journal (13)."""
+    return _single_session[0]
+
+
+@pytest.fixture(scope="module", params=["single", "redlock5"])
+def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
+    if request.param == "single":
+        lock_urls = [with_db(celery_base, 12)]
+    else:
+        lock_urls = request.getfixturevalue("_redlock_session")
+    env = {
+        "DLOCK_TEST_BROKER": with_db(celery_base, 10),
+        "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
+        "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
+        "DLOCK_TEST_LOCK_URLS": ",".join(lock_urls),
+    }
+    return Mode(request.param, lock_urls, env)
+
+
+@pytest.fixture(scope="module")
+def wa(mode: Mode) -> Any:
+    """The test process's copy of ``tests.worker_app``, pointed at this mode's servers."""
+    os.environ.update(mode.env)
+    from tests import worker_app
+
+    worker_app.app.conf.broker_url = mode.env["DLOCK_TEST_BROKER"]
+    worker_app.app.conf.result_backend = mode.env["DLOCK_TEST_BACKEND"]
+    use_lock_urls(worker_app.app, mode.lock_urls)
+    return worker_app
+
+
+@pytest.fixture
+def journal(mode: Mode) -> Journal:
+    journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
+    journal.clear()
+    for url in mode.lock_urls:
+        redis.Redis.from_url(url).flushdb()
+    return journal
+
+
+@pytest.fixture(scope="module")
+def worker(mode: Mode, wa: Any) -> Iterator[Worker]:
+    journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
+    started = Worker(mode.env, journal, name=f"main-{mode.name}").start()
+    yield started
+    started.stop()
+
+
+def submit_concurrently(fn: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` for every call at once from threads; results in order."""
+    results: list[Any] = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def go(i: int) -> None:
+        barrier.wait()
+        args, kwargs = calls[i]
+        results[i] = fn(*args, **kwargs)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results

@@ -1,0 +1,123 @@
+"""SingletonTask when processes die, Redis goes away, messages are redelivered, and in the
+threads and solo pools: each test runs its own real worker on its own queue."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_dlock.testing import RedisServer
+from tests.celery_fixtures import Mode, submit_concurrently
+from tests.workers import Journal, Worker, intervals, overlaps
+
+pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
+
+
+@pytest.fixture
+def spawn(mode: Mode, wa: Any, journal: Journal) -> Iterator[Any]:
+    """Start workers of this test's own; all are stopped at the end."""
+    started: list[Worker] = []
+
+    def start(name: str, queue: str, **options: Any) -> Worker:
+        env = {**mode.env, **options.pop("env", {})}
+        worker = Worker(env, journal, name=f"{name}-{mode.name}", queue=queue, **options)
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def test_sigkill_of_the_worker_frees_the_key_after_the_ttl(
+    wa: Any, worker: Worker, journal: Journal, spawn: Any
+) -> None:
+    victim = spawn("victim", "victim_q", concurrency=1)
+    wa.wait_task.apply_async(("killed", 0, 30.0), queue="victim_q")
+    journal.wait_for("start", name="killed")
+    victim.kill()
+    killed_at = time.monotonic()
+    # The main worker's waiter gets the key once the dead holder's lease expires (ttl 3 s).
+    assert wa.wait_task.delay("killed", 1).get(timeout=20) == 1
+    second = journal.select("start", name="killed")[1]
+    assert 0.5 < second["t"] - killed_at < 3.0 + 1.0
+
+
+def test_a_redelivered_copy_does_not_run_while_the_first_holds(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    late = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_VISIBILITY": "2"}
+    spawn("first", "vt_q", concurrency=1, env=late)
+    result = wa.drop_task.apply_async(("redelivered", 6.0), queue="vt_q")
+    journal.wait_for("start", name="redelivered")
+    time.sleep(2.5)  # let the message pass its visibility timeout while it runs
+    # A second worker restores unacked messages older than the timeout as it starts.
+    spawn("second", "vt_q", concurrency=1, env=late)
+    skipped = journal.wait_for("contended", id=result.id, timeout=15)
+    assert skipped[0]["policy"] == "drop"
+    assert result.get(timeout=15) == "redelivered"
+    starts = journal.select("start", name="redelivered")
+    assert [s["id"] for s in starts] == [result.id]
+
+
+def test_redis_unreachable_at_start_requeues_and_runs_once_it_is_back(
+    wa: Any, journal: Journal, spawn: Any, mode: Mode
+) -> None:
+    if mode.name != "single":
+        pytest.skip("one lock server is enough to show it")
+    with RedisServer() as locks:
+        worker = spawn("unreachable", "down_q", env={"DLOCK_TEST_LOCK_URLS": locks.url})
+        locks.stop()
+        result = wa.drop_task.apply_async(("unreachable", 0.0), queue="down_q")
+        deadline = time.monotonic() + 15
+        while worker.log().count("requeued in") < 2:
+            assert time.monotonic() < deadline, worker.log()[-3000:]
+            time.sleep(0.05)
+        assert "cannot lock" in worker.log()
+        assert journal.select("start", name="unreachable") == [], "ran without its lock"
+        locks.start()
+        assert result.get(timeout=30) == "unreachable"
+        assert len(journal.select("start", name="unreachable")) == 1
+
+
+def test_warm_shutdown_lets_the_task_finish_and_release(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    stopping = spawn("warm", "warm_q", concurrency=1)
+    result = wa.drop_task.apply_async(("warm", 1.5), queue="warm_q")
+    journal.wait_for("start", name="warm")
+    stopping.stop()
+    assert result.get(timeout=10) == "warm"
+    key = wa.drop_task.lock_key_for(("warm", 1.5), {})
+    assert wa.drop_task._dlock().manager.holder(key) is None
+
+
+@pytest.mark.parametrize("pool", ["threads", "solo"])
+def test_other_pools(wa: Any, journal: Journal, spawn: Any, mode: Mode, pool: str) -> None:
+    queue = f"{pool}_q"
+    spawn(pool, queue, pool=pool, concurrency=4 if pool == "threads" else 1)
+    # duplicates dropped (solo runs one task at a time, so send the holder first)
+    holder = wa.drop_task.apply_async((f"{pool}-storm", 1.0), queue=queue)
+    if pool == "threads":
+        dups = submit_concurrently(
+            lambda: wa.drop_task.apply_async((f"{pool}-storm", 1.0), queue=queue), [((), {})] * 8
+        )
+        for dup in dups:
+            assert dup.get(timeout=10)["holder"] == holder.id
+    assert holder.get(timeout=10) == f"{pool}-storm"
+    # retry releases and re-acquires
+    assert wa.flaky.apply_async((f"{pool}-retry",), queue=queue).get(timeout=15) == 1
+    # a lost lease stops the body
+    lossy = wa.lossy.apply_async((f"{pool}-lossy", 10.0), queue=queue)
+    start = journal.wait_for("start", name=f"{pool}-lossy")[0]
+    for url in mode.lock_urls:
+        redis.Redis.from_url(url).delete(f"dlock:{{{start['key']}}}")
+    with pytest.raises(Exception, match="was lost"):
+        lossy.get(timeout=10)
+    assert journal.select("end", name=f"{pool}-lossy") == []
+    spans = intervals(journal.entries())
+    assert overlaps([s for s in spans if s[2] == holder.id]) == []
