@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis
 
+from tests.clients import client
 from tests.workers import Journal, Worker, use_lock_urls
 
 
@@ -66,7 +66,7 @@ def journal(mode: Mode) -> Journal:
     journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
     journal.clear()
     for url in mode.lock_urls:
-        redis.Redis.from_url(url).flushdb()
+        client(url).flushdb()
     return journal
 
 

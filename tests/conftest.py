@@ -12,10 +12,10 @@ import os
 from collections.abc import Iterator
 
 import pytest
-import redis
 
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer, redis_servers
+from tests.clients import client, close_all
 
 pytest_plugins = ("tests.celery_fixtures",)
 
@@ -33,11 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _flush(urls: list[str]) -> None:
     for url in urls:
-        client = redis.Redis.from_url(url)
-        try:
-            client.flushdb()
-        finally:
-            client.close()
+        client(url).flushdb()
 
 
 @pytest.fixture(scope="session")
@@ -94,6 +90,12 @@ def server() -> Iterator[RedisServer]:
     """One fresh server of this test's own, free to stop, pause, restart and wipe."""
     with RedisServer() as started:
         yield started
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    close_all()
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
@@ -17,6 +16,7 @@ from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer
+from tests.clients import client
 
 
 def app_for(urls: list[str], **conf: Any) -> Celery:
@@ -28,14 +28,7 @@ def app_for(urls: list[str], **conf: Any) -> Celery:
 
 def lock_keys(urls: list[str], key: str) -> list[bytes | None]:
     """The raw lock value on each node (None where absent)."""
-    out = []
-    for url in urls:
-        client = redis.Redis.from_url(url)
-        try:
-            out.append(client.get(f"dlock:{{{key}}}"))
-        finally:
-            client.close()
-    return out
+    return [client(url).get(f"dlock:{{{key}}}") for url in urls]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -125,7 +118,7 @@ def test_partial_acquisition_is_undone_at_once(redlock_urls: list[str]) -> None:
     # give those two back before reporting contention.
     foreign = b'{"token":"someone-else","holder":"t-1","host":"h","pid":1,"since":0,"fence":7}'
     for url in redlock_urls[:3]:
-        redis.Redis.from_url(url).set("dlock:{split}", foreign, px=10_000)
+        client(url).set("dlock:{split}", foreign, px=10_000)
     with pytest.raises(LockContended) as info, lock(redlock_urls, "split", ttl=10):
         pytest.fail("acquired a minority")
     assert info.value.holder is not None
@@ -151,7 +144,7 @@ def _hold(urls_or_app: Any, key: str, **options: Any) -> tuple[Lease, threading.
 def test_deleted_key_is_reported_lost_within_one_renewal_interval(urls: list[str]) -> None:
     lease, lost, seen = _hold(urls, "deleted", ttl=3, renew_interval=0.5)
     for url in urls:
-        redis.Redis.from_url(url).delete("dlock:{deleted}")
+        client(url).delete("dlock:{deleted}")
     deleted_at = time.monotonic()
     assert lost.wait(timeout=3), "loss not reported"
     delay = seen[0][0] - deleted_at
@@ -166,7 +159,7 @@ def test_deleted_key_is_reported_lost_within_one_renewal_interval(urls: list[str
 
 def test_key_taken_by_another_is_reported_lost(single_urls: list[str]) -> None:
     lease, lost, seen = _hold(single_urls, "stolen", ttl=3, renew_interval=0.3)
-    redis.Redis.from_url(single_urls[0]).set("dlock:{stolen}", b"someone else's value")
+    client(single_urls[0]).set("dlock:{stolen}", b"someone else's value")
     assert lost.wait(timeout=3)
     assert "another holder" in seen[0][1].reason
     lease.release()
@@ -210,11 +203,11 @@ def test_redlock_keeps_lease_through_minority_restart_and_loses_it_on_majority(
 def test_renewal_keeps_lease_alive_for_five_ttls(urls: list[str]) -> None:
     ttl = 0.6
     lease = lock(urls, "long", ttl=ttl).acquire()
-    client = redis.Redis.from_url(urls[0])
+    raw = client(urls[0])
     lowest = ttl * 1000
     end = time.monotonic() + 5.5 * ttl
     while time.monotonic() < end:  # the holding time under test, sampled
-        lowest = min(lowest, client.pttl("dlock:{long}"))
+        lowest = min(lowest, raw.pttl("dlock:{long}"))
         assert not lease.lost
         time.sleep(0.05)
     lease.ensure()
@@ -230,7 +223,7 @@ def test_max_hold_stops_renewal_and_reports_loss(single_urls: list[str]) -> None
     assert 1.0 <= held_for < 1.0 + 0.6 + 0.2, held_for
     assert "max_hold" in seen[0][1].reason
     # The key was not renewed past the bound: it is gone or about to go by itself.
-    assert redis.Redis.from_url(single_urls[0]).pttl("dlock:{bounded}") <= 600
+    assert client(single_urls[0]).pttl("dlock:{bounded}") <= 600
     lease.release()
 
 
@@ -289,7 +282,7 @@ def test_non_owner_cannot_release_or_extend(urls: list[str]) -> None:
     )
     assert manager.renew([impostor]) == ["another holder has the key" + _on_all(urls)]
     assert impostor.release() is False
-    pttl = redis.Redis.from_url(urls[0]).pttl("dlock:{owned}")
+    pttl = client(urls[0]).pttl("dlock:{owned}")
     assert 0 < pttl <= 5000, "the impostor's extend changed the owner's ttl"
     assert all(
         v is not None and v.startswith(owner.head.encode()) for v in lock_keys(urls, "owned")
@@ -346,7 +339,7 @@ def test_fencing_tokens_increase_with_minority_wiped_between_acquisitions(
     redlock_urls: list[str],
 ) -> None:
     manager = manager_for(redlock_urls)
-    clients = [redis.Redis.from_url(u) for u in redlock_urls]
+    clients = [client(u) for u in redlock_urls]
     last = 0
     for i in range(1000):
         lease = manager.acquire("fence", ttl=5, renew=False)
@@ -464,10 +457,10 @@ def test_leaving_the_block_after_loss_raises_lock_lost(single_urls: list[str]) -
         pytest.raises(LockLost, match="gone"),
         lock(single_urls, "exit", ttl=3, renew_interval=0.2) as lease,
     ):
-        redis.Redis.from_url(single_urls[0]).delete("dlock:{exit}")
+        client(single_urls[0]).delete("dlock:{exit}")
         wait_for(lambda: lease.lost, 2, "the loss")
     with pytest.raises(KeyError), lock(single_urls, "exit2", ttl=3, renew_interval=0.2) as lease:
-        redis.Redis.from_url(single_urls[0]).delete("dlock:{exit2}")
+        client(single_urls[0]).delete("dlock:{exit2}")
         wait_for(lambda: lease.lost, 2, "the loss")
         raise KeyError("the block's own error wins")
 
@@ -476,7 +469,7 @@ def test_lock_reads_app_settings(single_urls: list[str]) -> None:
     app = app_for(single_urls, dlock_ttl=7, dlock_prefix="myapp")
     with lock(app, "conf") as lease:
         assert lease.ttl == 7
-        assert redis.Redis.from_url(single_urls[0]).exists("myapp:{conf}")
+        assert client(single_urls[0]).exists("myapp:{conf}")
 
 
 def test_lock_falls_back_to_a_redis_broker(single_urls: list[str]) -> None:

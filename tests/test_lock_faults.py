@@ -10,13 +10,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockUnavailable, lock
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
+from tests.clients import client
 
 pytestmark = pytest.mark.local_redis
 
@@ -63,7 +63,7 @@ def test_interrupted_call_never_leaves_a_reply_for_the_next_command(
         manager.acquire("k2", ttl=30, renew=False)
     # The interrupted attempt is undone in the background, on every node, soon.
     deadline = time.monotonic() + 5
-    while any(redis.Redis.from_url(u).exists("dlock:{k1}") for u in urls):
+    while any(client(u).exists("dlock:{k1}") for u in urls):
         assert time.monotonic() < deadline, "the interrupted attempt was never undone"
         time.sleep(0.05)
     other.release()
@@ -108,7 +108,7 @@ def test_single_redis_tokens_rise_past_a_counter_restored_from_an_old_snapshot(
     second = manager.acquire("snap", ttl=5, renew=False)
     second.release()
     # An older snapshot comes back: the counter is behind the tokens already issued.
-    redis.Redis(port=server.port).set("dlock:{snap}:fence", first.token)
+    client(server.url).set("dlock:{snap}:fence", first.token)
     third = manager.acquire("snap", ttl=5, renew=False)
     assert third.token > second.token
     third.release()
@@ -122,9 +122,9 @@ def test_an_acquire_that_timed_out_is_undone_once_the_node_answers(server: Redis
         lock(app, "phantom", ttl=30).acquire()
     time.sleep(0.6)  # the stall being simulated, longer than the node timeout
     server.resume()
-    client = redis.Redis(port=server.port)
+    raw = client(server.url)
     deadline = time.monotonic() + 5
-    while client.exists("dlock:{phantom}"):
+    while raw.exists("dlock:{phantom}"):
         assert time.monotonic() < deadline, "a phantom lock stayed for the whole ttl"
         time.sleep(0.05)
     with lock(app, "phantom", ttl=30):
@@ -186,7 +186,7 @@ def test_contention_and_inspection_report_the_real_token_when_counters_differ(
     redlock_urls: list[str],
 ) -> None:
     for i, url in enumerate(redlock_urls):
-        redis.Redis.from_url(url).set("dlock:{differ}:fence", 100 * (i + 1))
+        client(url).set("dlock:{differ}:fence", 100 * (i + 1))
     manager = manager_for(redlock_urls)
     lease = manager.acquire("differ", ttl=10, renew=False)
     assert lease.token == 501

@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 import pytest
-import redis
 from celery import states
 
 from tests.celery_fixtures import Mode, submit_concurrently
+from tests.clients import client
 from tests.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = pytest.mark.slow
@@ -148,7 +148,7 @@ def test_deleting_the_key_stops_the_body_with_lock_lost(
     result = wa.lossy.delay("lossy", 10.0)
     start = journal.wait_for("start", name="lossy")[0]
     for url in mode.lock_urls:
-        redis.Redis.from_url(url).delete(f"dlock:{{{start['key']}}}")
+        client(url).delete(f"dlock:{{{start['key']}}}")
     deleted_at = time.monotonic()
     with pytest.raises(Exception, match="was lost") as info:
         result.get(timeout=10)
@@ -250,6 +250,6 @@ def test_flag_policy_lets_the_body_decide(
     result = wa.flagged.delay("flag", 2.0)
     start = journal.wait_for("start", name="flag")[0]
     for url in mode.lock_urls:
-        redis.Redis.from_url(url).delete(f"dlock:{{{start['key']}}}")
+        client(url).delete(f"dlock:{{{start['key']}}}")
     assert result.get(timeout=10) is True  # ran to the end, and saw its lease lost
     assert journal.select("end", name="flag")

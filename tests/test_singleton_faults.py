@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from celery_dlock.testing import RedisServer
 from tests.celery_fixtures import Mode, submit_concurrently
+from tests.clients import client
 from tests.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
@@ -115,7 +115,7 @@ def test_other_pools(wa: Any, journal: Journal, spawn: Any, mode: Mode, pool: st
     lossy = wa.lossy.apply_async((f"{pool}-lossy", 10.0), queue=queue)
     start = journal.wait_for("start", name=f"{pool}-lossy")[0]
     for url in mode.lock_urls:
-        redis.Redis.from_url(url).delete(f"dlock:{{{start['key']}}}")
+        client(url).delete(f"dlock:{{{start['key']}}}")
     with pytest.raises(Exception, match="was lost"):
         lossy.get(timeout=10)
     assert journal.select("end", name=f"{pool}-lossy") == []

@@ -10,13 +10,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from celery_dlock import registry
+from tests.clients import client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +24,7 @@ class Journal:
     """The events tasks recorded (``tests.worker_app.record``), read back by the tests."""
 
     def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url)
+        self.client = client(url)
 
     def clear(self) -> None:
         self.client.delete("journal")
@@ -174,7 +173,3 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def iter_keys(client: redis.Redis, pattern: str) -> Iterator[bytes]:
-    yield from client.scan_iter(match=pattern)

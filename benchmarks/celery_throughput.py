@@ -1,0 +1,535 @@
+"""Per-task overhead in real Celery workers: plain tasks against SingletonTask and its peers.
+
+Starts seven throwaway redis-server processes on 127.0.0.1: one holds the broker (db 0), the
+result backend (db 1) and a small journal (db 2); one holds the locks of the single-Redis rows
+and of the peers; five are the Redlock masters. Every row runs in its own fresh ``celery
+worker -P prefork -c CONCURRENCY`` subprocess with the same settings (app:
+``benchmarks/_throughput_app.py``, configured from the environment; only ``dlock_urls``
+differs, one URL or five).
+
+Rows (each task returns its argument and does nothing else):
+
+* ``plain``             a plain ``Task``
+* ``dlock``             ``SingletonTask``, lock taken in the worker (``lock_on="execute"``)
+* ``dlock-redlock5``    the same with ``dlock_urls`` = five masters
+* ``dlock-enqueue``     ``SingletonTask(lock_on="enqueue")``, single Redis
+* ``celery-singleton``  celery-singleton's ``Singleton`` base
+* ``celery-once``       celery-once's ``QueueOnce`` base
+
+Throughput, per row and round: start the worker consuming only a queue named ``idle``; send
+it ``--warmup`` tasks of the row there and wait for their results (pool children started,
+connections open, scripts loaded); then, from this process, call ``task.delay(i)`` ``--tasks``
+times with distinct arguments (distinct keys) into the default queue, which nobody consumes
+yet: **enqueue cost** = that time / tasks. Then tell the worker to consume the default queue
+(``add_consumer``, a remote-control command) and poll the backend's key count (DBSIZE, every
+20 ms, with a deadline) until every result is stored: **throughput** = tasks / (time from
+sending ``add_consumer`` to the latest ``date_done`` among the results). Every result is
+checked (SUCCESS, the argument back). Rows are interleaved over ``--rounds`` rounds (reversed
+order every other round) and the figures are medians over rounds. Worker CPU (main process
++ pool children, from ``/proc``) and redis-server CPU (``INFO cpu``) per task are recorded.
+
+Storm, once per library: ``--tasks`` calls of ``task.delay(0, secs=STORM_SLEEP)`` with identical
+arguments (one key), enqueued before the worker consumes, as above. Reported: what the calls
+returned (messages published, duplicates answered with the queued task's result, refused
+with an exception), how many bodies ran (each counts itself in the journal), and the **drain
+time** (``add_consumer`` sent → the last result stored). SingletonTask drops duplicates at
+execution (``on_duplicate="drop"``: each still travels through the broker and a worker);
+celery-singleton and ``lock_on="enqueue"`` answer duplicates at enqueue with the queued
+task's ``AsyncResult``; celery-once raises ``AlreadyQueued`` at enqueue. The plain baseline
+drains the same number of identical messages whose body does nothing (``secs=0``): 2,000
+sleeping bodies would take 2,000 x STORM_SLEEP / CONCURRENCY seconds.
+
+CPU placement (``--pin``): ``split`` (default) keeps this process on the first CPU and the
+redis-servers on the others; the worker and its pool may use every CPU. ``none`` leaves all
+of it to the scheduler. See benchmarks/README.md for why placement matters on a small VM.
+
+Run: ``.venv/bin/python benchmarks/celery_throughput.py [--tasks N] [--concurrency C] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+from _common import machine, pin
+
+from celery_dlock.testing import RedisServer, redis_servers
+
+HERE = Path(__file__).resolve().parent
+APP_MODULE = "_throughput_app"
+DEFAULT_QUEUE = "celery"
+IDLE_QUEUE = "idle"
+POLL_S = 0.02  # interval of the completion polls (each bounded by a deadline)
+STORM_SLEEP = 0.2
+
+#: (row, task name, lock URLs: "single" or "redlock")
+ROWS: tuple[tuple[str, str, str], ...] = (
+    ("plain", "bench.plain", "single"),
+    ("dlock", "bench.dlock", "single"),
+    ("dlock-redlock5", "bench.dlock", "redlock"),
+    ("dlock-enqueue", "bench.dlock_enqueue", "single"),
+    ("celery-singleton", "bench.singleton", "single"),
+    ("celery-once", "bench.once", "single"),
+)
+STORM_ROWS = ("plain", "dlock", "dlock-enqueue", "celery-singleton", "celery-once")
+
+#: (numerator, denominator, figure, target or None, "max"/"min")
+TARGETS: tuple[tuple[str, str, str, float | None, str], ...] = (
+    ("dlock", "plain", "tasks_per_s", 0.92, "min"),
+    ("dlock", "plain", "enqueue_us", 1.05, "max"),
+    ("dlock-enqueue", "plain", "enqueue_us", 1.25, "max"),
+    ("dlock-redlock5", "plain", "tasks_per_s", None, ""),
+    ("dlock-redlock5", "plain", "enqueue_us", None, ""),
+    ("dlock-enqueue", "plain", "tasks_per_s", None, ""),
+    ("celery-singleton", "plain", "tasks_per_s", None, ""),
+    ("celery-singleton", "plain", "enqueue_us", None, ""),
+    ("celery-once", "plain", "tasks_per_s", None, ""),
+    ("celery-once", "plain", "enqueue_us", None, ""),
+)
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU time (user + system) of one process, from /proc; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class Worker:
+    """One ``celery worker`` subprocess (a new session: its pool children are its group)."""
+
+    def __init__(self, env: dict[str, str], name: str, concurrency: int) -> None:
+        self.env = env
+        self.hostname = f"{name}@bench"
+        self.concurrency = concurrency
+        self.logfile = Path(tempfile.mkdtemp(prefix="bench-worker-")) / "worker.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, journal: redis.Redis, timeout: float = 60.0) -> None:
+        args = [
+            sys.executable, "-m", "celery", "-A", APP_MODULE, "worker",
+            "-P", "prefork", "-c", str(self.concurrency), "-n", self.hostname,
+            "-Q", IDLE_QUEUE, "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-l", "WARNING", "--logfile", str(self.logfile),
+        ]  # fmt: skip
+        env = {**os.environ, **self.env, "PYTHONPATH": str(HERE)}
+        self.process = subprocess.Popen(args, env=env, cwd=HERE, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:  # worker_ready pushes the hostname; BLPOP blocks until it does
+            left = deadline - time.monotonic()
+            if self.process.poll() is not None or left <= 0:
+                self.stop()
+                raise RuntimeError(f"worker {self.hostname} did not start; log:\n{self.log()}")
+            popped = journal.blpop(["bench:ready"], timeout=min(1.0, left))
+            if popped is not None and popped[1].decode() == self.hostname:
+                return
+
+    def cpu_s(self) -> float:
+        """CPU time of the worker's main process and its pool children so far."""
+        assert self.process is not None
+        pid = self.process.pid
+        return proc_cpu_s(pid) + sum(proc_cpu_s(c) for c in children(pid))
+
+    def log(self) -> str:
+        return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def stop(self) -> None:
+        """Warm shutdown, then kill whatever is left of the group."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
+
+
+def servers_cpu_s(clients: Sequence[redis.Redis]) -> float:
+    total = 0.0
+    for c in clients:
+        info = c.info("cpu")
+        total += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return total
+
+
+# -- one measurement ----------------------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    """The servers and the clients of this process."""
+
+    app: Any
+    broker: redis.Redis
+    backend: redis.Redis
+    journal: redis.Redis
+    lock_clients: list[redis.Redis]  # single lock server first, then the five masters
+    server_clients: list[redis.Redis]
+    worker_env: dict[str, dict[str, str]]  # by "single" / "redlock"
+    worker_cpus: str
+    concurrency: int
+    warmup: int
+    timeout: float
+    serial: int = 0
+
+    def fresh(self) -> None:
+        """Empty queues, results and locks: every measurement starts from the same state."""
+        self.broker.flushdb()
+        self.backend.flushdb()
+        self.journal.flushdb()
+        for c in self.lock_clients:
+            c.flushdb()
+
+    def worker(self, row: str, locks: str) -> Worker:
+        self.serial += 1
+        env = {**self.worker_env[locks], "BENCH_WORKER_CPUS": self.worker_cpus}
+        w = Worker(env, f"{row}-{self.serial}", self.concurrency)
+        w.start(self.journal)
+        return w
+
+
+def wait_results(backend: redis.Redis, count: int, timeout: float, what: str) -> None:
+    """Poll the backend's key count (one result key per task) until ``count``, or fail."""
+    deadline = time.monotonic() + timeout
+    while backend.dbsize() < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"timed out after {timeout} s: {backend.dbsize()} of {count} results ({what})"
+            )
+        time.sleep(POLL_S)
+
+
+def read_results(backend: redis.Redis, ids: Sequence[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i in range(0, len(ids), 500):
+        keys = [f"celery-task-meta-{t}" for t in ids[i : i + 500]]
+        out += [json.loads(raw) if raw else {} for raw in backend.mget(keys)]
+    return out
+
+
+def done_at(meta: dict[str, Any]) -> float:
+    return datetime.fromisoformat(meta["date_done"]).timestamp()
+
+
+def warm_up(env: Env, task: Any, base: int) -> None:
+    """Tasks through the ``idle`` queue the worker consumes, waited for."""
+    results = [task.apply_async((base + i,), queue=IDLE_QUEUE) for i in range(env.warmup)]
+    for r in results:
+        r.get(timeout=env.timeout)
+    for r in results:
+        r.forget()
+
+
+def consume(env: Env, worker: Worker) -> float:
+    """Tell the worker to consume the default queue; returns the wall time it was sent."""
+    sent = time.time()
+    replies = env.app.control.add_consumer(
+        DEFAULT_QUEUE, destination=[worker.hostname], reply=True, limit=1, timeout=10
+    )
+    if not replies:
+        raise RuntimeError(f"{worker.hostname} did not acknowledge add_consumer")
+    return sent
+
+
+def throughput_round(env: Env, row: str, task_name: str, locks: str, tasks: int) -> dict[str, Any]:
+    env.fresh()
+    task = env.app.tasks[task_name]
+    worker = env.worker(row, locks)
+    try:
+        base = env.serial * 1_000_000
+        warm_up(env, task, base)
+        gc.collect()
+        gc.disable()  # no collection lands on one row's enqueue loop and not another's
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        ids = [task.delay(base + 1000 + i).id for i in range(tasks)]
+        t1, cpu1 = time.perf_counter(), time.process_time()
+        gc.enable()
+        queued = env.broker.llen(DEFAULT_QUEUE)
+        if queued != tasks:
+            raise RuntimeError(f"{row}: {queued} messages queued, expected {tasks}")
+        wcpu0 = worker.cpu_s()
+        scpu0 = servers_cpu_s(env.server_clients)
+        started = consume(env, worker)
+        wait_results(env.backend, tasks, env.timeout, row)
+        wcpu1 = worker.cpu_s()
+        scpu1 = servers_cpu_s(env.server_clients)
+        metas = read_results(env.backend, ids)
+    finally:
+        worker.stop()
+    bad = [
+        (i, m.get("status"), m.get("result"))
+        for i, m in enumerate(metas)
+        if m.get("status") != "SUCCESS" or m.get("result") != base + 1000 + i
+    ]
+    if bad:
+        raise RuntimeError(f"{row}: {len(bad)} results wrong, e.g. {bad[:3]}")
+    ends = sorted(done_at(m) for m in metas)
+    drain = ends[-1] - started
+    return {
+        "enqueue_us": (t1 - t0) * 1e6 / tasks,
+        "enqueue_cpu_us": (cpu1 - cpu0) * 1e6 / tasks,
+        "tasks_per_s": tasks / drain,
+        "drain_s": drain,
+        "first_result_s": ends[0] - started,
+        "worker_cpu_us": (wcpu1 - wcpu0) * 1e6 / tasks,
+        "server_cpu_us": (scpu1 - scpu0) * 1e6 / tasks,
+    }
+
+
+def storm(env: Env, row: str, task_name: str, tasks: int, secs: float) -> dict[str, Any]:
+    env.fresh()
+    task = env.app.tasks[task_name]
+    worker = env.worker(f"storm-{row}", "single")
+    ids: list[str] = []
+    refused: dict[str, int] = {}
+    try:
+        warm_up(env, task, env.serial * 1_000_000)
+        env.backend.flushdb()
+        t0 = time.perf_counter()
+        for _ in range(tasks):
+            try:
+                ids.append(task.delay(0, secs=secs).id)
+            except Exception as exc:  # celery-once: AlreadyQueued
+                refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
+        t1 = time.perf_counter()
+        published = env.broker.llen(DEFAULT_QUEUE)
+        started = consume(env, worker)
+        wait_results(env.backend, published, env.timeout, f"storm {row}")
+        metas = read_results(env.backend, sorted(set(ids)))
+        executed = int(env.journal.get("bench:executed") or 0)
+    finally:
+        worker.stop()
+    stored = [m for m in metas if m]
+    dropped = sum(1 for m in stored if isinstance(m.get("result"), dict))
+    ends = [done_at(m) for m in stored]
+    return {
+        "calls": tasks,
+        "enqueue_us": (t1 - t0) * 1e6 / tasks,
+        "published": published,
+        "distinct_ids": len(set(ids)),
+        "answered_with_existing": len(ids) - len(set(ids)),
+        "refused": refused,
+        "executed": executed,
+        "dropped": dropped,
+        "failed": sum(1 for m in stored if m.get("status") != "SUCCESS"),
+        "drain_s": max(ends) - started if ends else None,
+        "body_s": secs,
+    }
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def median_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]
+    }
+    out["rounds"] = [{k: round(v, 2) for k, v in r.items()} for r in rounds]
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.monotonic()
+    all_cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    with redis_servers(7) as servers:
+        placement = pin(servers, args.pin)
+        hub, lock1, masters = servers[0], servers[1], servers[2:]
+        base = f"redis://127.0.0.1:{hub.port}"
+        urls = {
+            "BENCH_BROKER": f"{base}/0",
+            "BENCH_BACKEND": f"{base}/1",
+            "BENCH_JOURNAL": f"{base}/2",
+            "BENCH_PEER_URL": lock1.url,
+        }
+        redlock = ",".join(s.url for s in masters)
+        worker_env = {
+            "single": {**urls, "BENCH_LOCK_URLS": lock1.url},
+            "redlock": {**urls, "BENCH_LOCK_URLS": redlock},
+        }
+        os.environ.update(worker_env["single"])  # this process's copy of the app
+        import _throughput_app
+
+        env = Env(
+            app=_throughput_app.app,
+            broker=redis.Redis.from_url(urls["BENCH_BROKER"]),
+            backend=redis.Redis.from_url(urls["BENCH_BACKEND"]),
+            journal=redis.Redis.from_url(urls["BENCH_JOURNAL"]),
+            lock_clients=[redis.Redis.from_url(s.url) for s in (lock1, *masters)],
+            server_clients=[redis.Redis.from_url(s.url) for s in servers],
+            worker_env=worker_env,
+            worker_cpus=all_cpus,
+            concurrency=args.concurrency,
+            warmup=args.warmup,
+            timeout=args.timeout,
+        )
+        rows = [r for r in ROWS if r[0] in args.rows]
+        per_round: dict[str, list[dict[str, Any]]] = {r[0]: [] for r in rows}
+        for rnd in range(args.rounds):
+            for row, name, locks in rows if rnd % 2 == 0 else rows[::-1]:
+                per_round[row].append(throughput_round(env, row, name, locks, args.tasks))
+                say(args, f"round {rnd + 1} {row}: {per_round[row][-1]}")
+        storms: dict[str, Any] = {}
+        if args.storm:
+            names = {r[0]: r[1] for r in ROWS}
+            for row in STORM_ROWS:
+                secs = 0.0 if row == "plain" else args.storm_sleep
+                storms[row] = storm(env, row, names[row], args.tasks, secs)
+                say(args, f"storm {row}: {storms[row]}")
+        info = env.broker.info("server")
+
+    figures = {row: median_figures(r) for row, r in per_round.items()}
+    ratios: dict[str, Any] = {}
+    for num, den, fig, target, kind in TARGETS:
+        if num not in figures or den not in figures:
+            continue
+        value = figures[num][fig] / figures[den][fig]
+        met = None if target is None else (value >= target if kind == "min" else value <= target)
+        ratios[f"{num}/{den} {fig}"] = {"ratio": round(value, 3), "target": target, "met": met}
+    if "plain" in storms and "dlock" in storms:
+        s, p = storms["dlock"], storms["plain"]
+        ratios["storm dlock executions"] = {
+            "value": s["executed"], "target": 1, "met": s["executed"] == 1
+        }
+        ratios["storm dlock/plain drain_s"] = {
+            "ratio": round(s["drain_s"] / p["drain_s"], 3),
+            "target": 1.0,
+            "met": s["drain_s"] <= p["drain_s"],
+        }
+    return {
+        "machine": {
+            **machine("celery", "kombu", "celery-singleton", "celery-once"),
+            "redis-server": info["redis_version"],
+        },
+        "settings": {
+            "tasks": args.tasks,
+            "concurrency": args.concurrency,
+            "pool": "prefork",
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "storm_sleep_s": args.storm_sleep,
+            "pin": placement,
+            "worker_cpus": all_cpus,
+        },
+        "throughput": figures,
+        "storm": storms,
+        "ratios": ratios,
+        "elapsed_s": round(time.monotonic() - began, 1),
+    }
+
+
+def say(args: argparse.Namespace, line: str) -> None:
+    if args.verbose:
+        print(line, file=sys.stderr, flush=True)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    m, s = result["machine"], result["settings"]
+    print(
+        f"Python {m['python']}, celery {m['celery']}, kombu {m['kombu']}, redis-py "
+        f"{m['redis-py']}, hiredis {m['hiredis']}, celery-singleton {m['celery-singleton']}, "
+        f"celery-once {m['celery-once']}, Redis {m['redis-server']}; {m['nproc']} CPU(s): "
+        f"{m['cpu']}"
+    )
+    print(f"celery_dlock: {m['celery_dlock']}")
+    print(f"CPU placement: {s['pin']}; worker on CPUs {s['worker_cpus']}")
+    print(
+        f"{s['tasks']} tasks per row and round, worker -P prefork -c {s['concurrency']}, "
+        f"{s['rounds']} interleaved rounds (medians over rounds)\n"
+    )
+    figs = result["throughput"]
+    plain = figs.get("plain")
+    print(
+        f"{'row':<17} {'tasks/s':>8} {'/ plain':>8} {'enqueue us':>11} {'/ plain':>8} "
+        f"{'worker CPU us':>14} {'server CPU us':>14}  tasks/s per round"
+    )
+    for row, f in figs.items():
+        tp = f"{f['tasks_per_s'] / plain['tasks_per_s']:.3f}" if plain else "-"
+        eq = f"{f['enqueue_us'] / plain['enqueue_us']:.3f}" if plain else "-"
+        per = " ".join(f"{r['tasks_per_s']:.0f}" for r in f["rounds"])
+        print(
+            f"{row:<17} {f['tasks_per_s']:>8.1f} {tp:>8} {f['enqueue_us']:>11.1f} {eq:>8} "
+            f"{f['worker_cpu_us']:>14.0f} {f['server_cpu_us']:>14.0f}  {per}"
+        )
+    if result["storm"]:
+        print(f"\nstorm: {s['tasks']} calls with identical arguments")
+        print(
+            f"{'library':<17} {'body s':>6} {'published':>9} {'merged':>7} {'refused':>8} "
+            f"{'executed':>8} {'dropped':>8} {'drain s':>8} {'enqueue us':>11}"
+        )
+        for row, st in result["storm"].items():
+            refused = sum(st["refused"].values())
+            print(
+                f"{row:<17} {st['body_s']:>6.2f} {st['published']:>9} "
+                f"{st['answered_with_existing']:>7} {refused:>8} {st['executed']:>8} "
+                f"{st['dropped']:>8} {st['drain_s']:>8.3f} {st['enqueue_us']:>11.1f}"
+            )
+    print("\nratios and targets")
+    for key, r in result["ratios"].items():
+        value = r.get("ratio", r.get("value"))
+        line = f"  {key:<40} {value:>7}"
+        if r["target"] is not None:
+            line += f"   target {r['target']}: {'met' if r['met'] else 'MISSED'}"
+        print(line)
+    print(f"\nelapsed {result['elapsed_s']} s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Celery worker throughput and enqueue cost: plain, SingletonTask, peers."
+    )
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per row and round")
+    parser.add_argument("--concurrency", type=int, default=2, help="worker pool processes")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved throughput rounds")
+    parser.add_argument("--warmup", type=int, default=20, help="warm-up tasks per worker")
+    parser.add_argument("--storm-sleep", type=float, default=STORM_SLEEP, help="storm body s")
+    parser.add_argument("--no-storm", dest="storm", action="store_false", help="skip storms")
+    parser.add_argument(
+        "--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS]
+    )
+    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each wait")
+    parser.add_argument("--pin", choices=("split", "same", "none"), default="split")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
+    args = parser.parse_args(argv)
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

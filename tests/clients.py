@@ -1,0 +1,21 @@
+"""Plain redis-py clients for tests to look at and poke the servers, closed at session end."""
+
+from __future__ import annotations
+
+import redis
+
+_clients: dict[str, redis.Redis] = {}
+
+
+def client(url: str) -> redis.Redis:
+    """A shared client for ``url`` (it reconnects by itself after a server restart)."""
+    found = _clients.get(url)
+    if found is None:
+        found = _clients[url] = redis.Redis.from_url(url)
+    return found
+
+
+def close_all() -> None:
+    for found in _clients.values():
+        found.close()
+    _clients.clear()
