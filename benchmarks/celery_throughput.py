@@ -142,7 +142,11 @@ class Worker:
             "-l", "WARNING", "--logfile", str(self.logfile),
         ]  # fmt: skip
         env = {**os.environ, **self.env, "PYTHONPATH": str(HERE)}
-        self.process = subprocess.Popen(args, env=env, cwd=HERE, start_new_session=True)
+        with self.logfile.open("ab") as out:  # the banner and anything printed
+            self.process = subprocess.Popen(
+                args, env=env, cwd=HERE, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
         deadline = time.monotonic() + timeout
         while True:  # worker_ready pushes the hostname; BLPOP blocks until it does
             left = deadline - time.monotonic()
@@ -252,14 +256,30 @@ def warm_up(env: Env, task: Any, base: int) -> None:
         r.forget()
 
 
-def consume(env: Env, worker: Worker) -> float:
-    """Tell the worker to consume the default queue; returns the wall time it was sent."""
+def consume(env: Env, worker: Worker, queued: int) -> float:
+    """Make the worker consume the default queue; returns the wall time the command was sent.
+
+    ``add_consumer`` adds the queue, but the worker's pending ``BRPOP`` (on ``idle`` only)
+    would run on until its 1 s server-side timeout before the next one includes the new
+    queue: we end it early with ``CLIENT UNBLOCK`` (the worker sees a plain timeout), and
+    repeat that, with a deadline, until the worker has taken a message.
+    """
     sent = time.time()
     replies = env.app.control.add_consumer(
         DEFAULT_QUEUE, destination=[worker.hostname], reply=True, limit=1, timeout=10
     )
     if not replies:
         raise RuntimeError(f"{worker.hostname} did not acknowledge add_consumer")
+    deadline = time.monotonic() + 10
+    while env.broker.llen(DEFAULT_QUEUE) >= queued > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{worker.hostname} did not start consuming {DEFAULT_QUEUE}")
+        for client in env.broker.client_list():
+            if client.get("cmd") == "brpop":
+                env.broker.client_unblock(int(client["id"]))
+        settle = time.monotonic() + 0.05
+        while env.broker.llen(DEFAULT_QUEUE) >= queued and time.monotonic() < settle:
+            time.sleep(0.002)
     return sent
 
 
@@ -281,7 +301,7 @@ def throughput_round(env: Env, row: str, task_name: str, locks: str, tasks: int)
             raise RuntimeError(f"{row}: {queued} messages queued, expected {tasks}")
         wcpu0 = worker.cpu_s()
         scpu0 = servers_cpu_s(env.server_clients)
-        started = consume(env, worker)
+        started = consume(env, worker, tasks)
         wait_results(env.backend, tasks, env.timeout, row)
         wcpu1 = worker.cpu_s()
         scpu1 = servers_cpu_s(env.server_clients)
@@ -325,7 +345,7 @@ def storm(env: Env, row: str, task_name: str, tasks: int, secs: float) -> dict[s
                 refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
         t1 = time.perf_counter()
         published = env.broker.llen(DEFAULT_QUEUE)
-        started = consume(env, worker)
+        started = consume(env, worker, published)
         wait_results(env.backend, published, env.timeout, f"storm {row}")
         metas = read_results(env.backend, sorted(set(ids)))
         executed = int(env.journal.get("bench:executed") or 0)

@@ -6,4 +6,5 @@ set -euo pipefail
 . "$(dirname "$0")/_venv.sh" "test"
 echo "== ruff"; ruff check . && ruff format --check .
 echo "== mypy (strict)"; mypy celery_dlock
+echo "== docs (mkdocs --strict)"; mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 echo "== pytest"; python -m pytest "$@"

@@ -29,9 +29,9 @@ def with_db(url: str, db: int) -> str:
 
 
 @pytest.fixture(scope="session")
-def celery_base(_single_session: list[str]) -> str:
+def celery_base(single_session_urls: list[str]) -> str:
     """The Redis that carries the broker (db 10), results (11), single locks (12), journal (13)."""
-    return _single_session[0]
+    return single_session_urls[0]
 
 
 @pytest.fixture(scope="module", params=["single", "redlock5"])
@@ -39,7 +39,7 @@ def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
     if request.param == "single":
         lock_urls = [with_db(celery_base, 12)]
     else:
-        lock_urls = request.getfixturevalue("_redlock_session")
+        lock_urls = request.getfixturevalue("redlock_session_urls")
     env = {
         "DLOCK_TEST_BROKER": with_db(celery_base, 10),
         "DLOCK_TEST_BACKEND": with_db(celery_base, 11),

@@ -37,7 +37,7 @@ def _flush(urls: list[str]) -> None:
 
 
 @pytest.fixture(scope="session")
-def _single_session() -> Iterator[list[str]]:
+def single_session_urls() -> Iterator[list[str]]:
     if EXTERNAL:
         yield EXTERNAL[:1]
         return
@@ -46,7 +46,7 @@ def _single_session() -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="session")
-def _redlock_session() -> Iterator[list[str]]:
+def redlock_session_urls() -> Iterator[list[str]]:
     if EXTERNAL:
         if len(EXTERNAL) < 5:
             pytest.skip("DLOCK_TEST_REDIS_URLS has fewer than five URLs: no Redlock tests")
@@ -57,17 +57,17 @@ def _redlock_session() -> Iterator[list[str]]:
 
 
 @pytest.fixture
-def single_urls(_single_session: list[str]) -> list[str]:
+def single_urls(single_session_urls: list[str]) -> list[str]:
     """One Redis URL, emptied before the test."""
-    _flush(_single_session)
-    return _single_session
+    _flush(single_session_urls)
+    return single_session_urls
 
 
 @pytest.fixture
-def redlock_urls(_redlock_session: list[str]) -> list[str]:
+def redlock_urls(redlock_session_urls: list[str]) -> list[str]:
     """Five independent Redis masters, emptied before the test."""
-    _flush(_redlock_session)
-    return _redlock_session
+    _flush(redlock_session_urls)
+    return redlock_session_urls
 
 
 @pytest.fixture(params=["single", "redlock5"])
