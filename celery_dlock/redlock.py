@@ -50,6 +50,8 @@ log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
 log_renew = logging.getLogger("celery_dlock.renew")
 
+#: Extra attempts when contenders collided with nobody holding a majority (Redlock).
+SPLIT_RETRIES = 5
 #: Quick re-attempts (1, 2, 4, ... ms apart) by a woken waiter that still sees the holder whose
 #: release woke it, while that release reaches the other nodes.
 BATON_RETRIES = 8
@@ -57,6 +59,15 @@ BATON_RETRIES = 8
 
 # Extend-script codes (see scripts.EXTEND).
 _EXTENDED, _ABSENT, _RETAKEN, _TAKEN = 1, 0, 2, 3
+
+
+def _identities(value: bytes) -> tuple[Holder | None, tuple[Any, Any, Any]]:
+    """A lock value parsed, and what identifies its holder: acquisition token, task id, and
+    the raw value itself for a value this library did not write."""
+    holder = parse_value(value)
+    if holder is None:
+        return None, (None, None, value)
+    return holder, (holder.token, holder.holder, None)
 
 
 def void_key(lock_key: str, head: str) -> str:
@@ -170,6 +181,7 @@ class LockManager:
         give_up = None if wait is None else begun + wait
         woken_from: str | None = None  # token of the holder whose release woke us, if any
         baton = 0
+        splits = 0
         while True:
             outcome = self._attempt(request, keys)
             if isinstance(outcome, Lease):
@@ -193,9 +205,15 @@ class LockManager:
                 raise LockUnavailable(
                     f"cannot lock {key!r}: {outcome.detail}", key=key, errors=outcome.errors
                 )
+            if outcome.split and splits < SPLIT_RETRIES:
+                # Contenders collided and nobody holds a majority: not "held" yet, so even a
+                # caller that will not wait gets a few more tries, at random delays (seed 001).
+                splits += 1
+                time.sleep(random.uniform(0.0, 0.005 * splits))
+                continue
             left = None if give_up is None else give_up - time.monotonic()
             if left is not None and left <= 0:
-                who = outcome.holder.describe() if outcome.holder else "another holder"
+                who = outcome.holder.describe() if outcome.holder else "contenders (no majority)"
                 raise LockContended(
                     f"lock {key!r} is held by {who}",
                     key=key,
@@ -265,7 +283,7 @@ class LockManager:
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
         answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
-        return self._refusal(fences, others, errors, answered)
+        return self._refusal(others, errors, answered)
 
     def _undo(
         self,
@@ -278,9 +296,13 @@ class LockManager:
         """Release a failed attempt: now where we took the key, in the background where the
         node did not answer (it may take the key yet, and waiting on it again would double
         the time a caller waits to hear that Redis is unavailable)."""
-        if fences:
-            self._release_on([self.nodes[i] for i in fences], keys, head, ttl, wake=False)
         silent = [self.nodes[i] for i, r in enumerate(replies) if isinstance(r, BaseException)]
+        if fences:
+            taken = [self.nodes[i] for i in fences]
+            undone = self._release_on(taken, keys, head, ttl, wake=False)
+            silent += [
+                n for n, r in zip(taken, undone, strict=True) if isinstance(r, BaseException)
+            ]
         if silent:
             until = time.monotonic() + ttl
             janitor.void(silent, keys[0], void_key(keys[0], head), head, until)
@@ -305,7 +327,6 @@ class LockManager:
 
     def _refusal(
         self,
-        fences: dict[int, int],
         others: list[tuple[bytes, int]],
         errors: list[tuple[str, str]],
         answered: tuple[int, ...],
@@ -317,18 +338,24 @@ class LockManager:
             return _Refusal(
                 True, None, None, False, tuple(errors), f"{reached} ({first})", answered
             )
-        # Values of one holder differ between nodes only in the fence counter each node
-        # appended: group by the random token and report the highest fence (the real token).
-        by_token: dict[str | None, list[tuple[Holder | None, int]]] = {}
-        for value, pttl in others:
-            holder = parse_value(value)
-            by_token.setdefault(holder.token if holder else None, []).append((holder, pttl))
-        top = max(by_token.values(), key=len)
-        holders = [h for h, _ in top if h is not None]
-        holder = max(holders, key=lambda h: h.fence) if holders else None
-        retry_after = max(0, min(pttl for _, pttl in top)) / 1000.0
-        split = len(top) < self.quorum
-        return _Refusal(False, holder, retry_after, split, tuple(errors), "held", answered)
+        # Values of one acquisition differ between nodes only in the fence counter each node
+        # appended: group by its random token, and report the highest fence (the real token).
+        # An enqueue-time lock being taken over by its execution shows two tokens of one task
+        # for a moment: group by task id then. Without a majority nobody holds the key: the
+        # values are contenders' partial attempts, about to be undone (a split).
+        parsed = [(_identities(value), pttl) for value, pttl in others]
+        for kind in range(3):  # by acquisition token, then by task id, then by raw value
+            groups: dict[Any, list[tuple[Holder | None, int]]] = {}
+            for (holder, idents), pttl in parsed:
+                if idents[kind] is not None:
+                    groups.setdefault(idents[kind], []).append((holder, pttl))
+            top = next((g for g in groups.values() if len(g) >= self.quorum), None)
+            if top is not None:
+                holders = [h for h, _ in top if h is not None]
+                holder = max(holders, key=lambda h: h.fence) if holders else None
+                retry_after = max(0, min(pttl for _, pttl in top)) / 1000.0
+                return _Refusal(False, holder, retry_after, False, tuple(errors), "held", answered)
+        return _Refusal(False, None, None, True, tuple(errors), "contended", answered)
 
     def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
         """Write the token back to the quorum's counters; True if a majority recorded it."""

@@ -199,3 +199,16 @@ def test_contention_and_inspection_report_the_real_token_when_counters_differ(
     assert held.fence == 501
     lease.release()
     assert manager.holder("differ") is None
+
+
+def test_a_minority_holder_is_never_named_as_the_holder(redlock_urls: list[str]) -> None:
+    """Partial values of collided contenders (two on two nodes each) are not a holder: a
+    caller is told the key is contended, never that one of them holds it."""
+    values = [b'{"token":"a","holder":"ghost-a","host":"h","pid":1,"since":0,"fence":1}'] * 2
+    values += [b'{"token":"b","holder":"ghost-b","host":"h","pid":1,"since":0,"fence":2}'] * 2
+    for url, value in zip(redlock_urls, values, strict=False):
+        client(url).set("dlock:{ghosts}", value, px=10_000)
+    with pytest.raises(LockContended) as info:
+        lock(redlock_urls, "ghosts", ttl=5).acquire()
+    assert info.value.holder is None
+    assert "no majority" in str(info.value)
