@@ -23,8 +23,8 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery_once import QueueOnce
-from celery_singleton import Singleton
+from celery_once import QueueOnce  # type: ignore[import-untyped]
+from celery_singleton import Singleton  # type: ignore[import-untyped]
 
 from celery_dlock import SingletonTask
 

@@ -5,7 +5,8 @@ result backend (db 1) and a small journal (db 2); one holds the locks of the sin
 and of the peers; five are the Redlock masters. Every row runs in its own fresh ``celery
 worker -P prefork -c CONCURRENCY`` subprocess with the same settings (app:
 ``benchmarks/_throughput_app.py``, configured from the environment; only ``dlock_urls``
-differs, one URL or five).
+differs between workers: one URL, or five for ``dlock-redlock5``). Celery's defaults
+otherwise (prefetch multiplier 4, early acks), log level WARNING, no events.
 
 Rows (each task returns its argument and does nothing else):
 
@@ -16,34 +17,43 @@ Rows (each task returns its argument and does nothing else):
 * ``celery-singleton``  celery-singleton's ``Singleton`` base
 * ``celery-once``       celery-once's ``QueueOnce`` base
 
-Throughput, per row and round: start the worker consuming only a queue named ``idle``; send
-it ``--warmup`` tasks of the row there and wait for their results (pool children started,
-connections open, scripts loaded); then, from this process, call ``task.delay(i)`` ``--tasks``
+**Throughput**, per row and round: start the worker consuming only a queue named ``idle``;
+send it ``--warmup`` tasks of the row there and wait for their results (pool children up,
+connections open, scripts loaded). Then, from this process, call ``task.delay(i)`` ``--tasks``
 times with distinct arguments (distinct keys) into the default queue, which nobody consumes
-yet: **enqueue cost** = that time / tasks. Then tell the worker to consume the default queue
-(``add_consumer``, a remote-control command) and poll the backend's key count (DBSIZE, every
-20 ms, with a deadline) until every result is stored: **throughput** = tasks / (time from
-sending ``add_consumer`` to the latest ``date_done`` among the results). Every result is
-checked (SUCCESS, the argument back). Rows are interleaved over ``--rounds`` rounds (reversed
-order every other round) and the figures are medians over rounds. Worker CPU (main process
-+ pool children, from ``/proc``) and redis-server CPU (``INFO cpu``) per task are recorded.
+yet: **enqueue cost** = that time / tasks (wall clock; this process's CPU time is recorded
+too). Then make the worker consume the default queue (``add_consumer``, see :func:`consume`)
+and poll the backend's key count (``DBSIZE`` every 20 ms, with a deadline) until every result
+is stored: **throughput** = tasks / (time from sending ``add_consumer`` to the latest
+``date_done`` among the results). Every result is checked (SUCCESS, its argument back). Rows
+are interleaved over ``--rounds`` rounds (reversed order every other round); the figures are
+medians over rounds. Per task, the worker's CPU time (main process + pool children, from
+``/proc``) and the redis-servers' (``INFO cpu``) are recorded too.
 
-Storm, once per library: ``--tasks`` calls of ``task.delay(0, secs=STORM_SLEEP)`` with identical
-arguments (one key), enqueued before the worker consumes, as above. Reported: what the calls
-returned (messages published, duplicates answered with the queued task's result, refused
-with an exception), how many bodies ran (each counts itself in the journal), and the **drain
-time** (``add_consumer`` sent → the last result stored). SingletonTask drops duplicates at
-execution (``on_duplicate="drop"``: each still travels through the broker and a worker);
-celery-singleton and ``lock_on="enqueue"`` answer duplicates at enqueue with the queued
-task's ``AsyncResult``; celery-once raises ``AlreadyQueued`` at enqueue. The plain baseline
-drains the same number of identical messages whose body does nothing (``secs=0``): 2,000
-sleeping bodies would take 2,000 x STORM_SLEEP / CONCURRENCY seconds.
+**Storm**, once per library: ``--tasks`` calls of ``task.delay(0, secs=S, count=True)`` with
+identical arguments (one key), enqueued before the worker consumes, as above. The body counts
+itself in the journal (``INCR``) and sleeps ``S`` (``--storm-sleep``; by default 2 ms per
+call, 4 s for 2,000, so that the first execution still holds the key when the last duplicate
+is handled). Reported: what the calls did (messages published; duplicates answered at enqueue
+with the queued task's ``AsyncResult``; calls refused with an exception), how many bodies
+ran, and the time, from ``add_consumer``, until the quick messages were all handled
+(``quick``: SingletonTask's dropped duplicates) and until everything was (``drained``).
+``SingletonTask`` (``on_duplicate="drop"``) publishes every duplicate and drops it in the
+worker; ``lock_on="enqueue"`` and celery-singleton answer duplicates at enqueue with the
+queued task's result; celery-once raises ``AlreadyQueued`` at enqueue.
+
+Plain Celery cannot deduplicate, and 2,000 sleeping bodies would take 2,000 x S / CONCURRENCY
+seconds. Its row is the load that a working deduplication leaves: 2,000 messages of which the
+first sleeps ``S`` and the other 1,999 are empty (``secs=0``, not counted in the journal) and
+end at once (``quick``). So SingletonTask's ``quick`` compares a dropped duplicate with an
+empty task on the same pool capacity (one process sleeps, the others handle the rest).
 
 CPU placement (``--pin``): ``split`` (default) keeps this process on the first CPU and the
 redis-servers on the others; the worker and its pool may use every CPU. ``none`` leaves all
 of it to the scheduler. See benchmarks/README.md for why placement matters on a small VM.
 
-Run: ``.venv/bin/python benchmarks/celery_throughput.py [--tasks N] [--concurrency C] [--json]``.
+Run: ``.venv/bin/python benchmarks/celery_throughput.py [--tasks N] [--concurrency C] [--json]``
+(``--report FILE`` prints the tables of a saved ``--json`` result).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -75,7 +86,7 @@ APP_MODULE = "_throughput_app"
 DEFAULT_QUEUE = "celery"
 IDLE_QUEUE = "idle"
 POLL_S = 0.02  # interval of the completion polls (each bounded by a deadline)
-STORM_SLEEP = 0.2
+STORM_SLEEP_PER_CALL = 0.002  # default storm body: this many seconds per call, at least 0.2
 READY_KEY = "bench:ready"  # as in _throughput_app (imported only once the env is set)
 EXECUTED_KEY = "bench:executed"
 
@@ -90,18 +101,20 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 )
 STORM_ROWS = ("plain", "dlock", "dlock-enqueue", "celery-singleton", "celery-once")
 
-#: (numerator, denominator, figure, target or None, "max"/"min")
-TARGETS: tuple[tuple[str, str, str, float | None, str], ...] = (
-    ("dlock", "plain", "tasks_per_s", 0.92, "min"),
-    ("dlock", "plain", "enqueue_us", 1.05, "max"),
-    ("dlock-enqueue", "plain", "enqueue_us", 1.25, "max"),
-    ("dlock-redlock5", "plain", "tasks_per_s", None, ""),
-    ("dlock-redlock5", "plain", "enqueue_us", None, ""),
-    ("dlock-enqueue", "plain", "tasks_per_s", None, ""),
-    ("celery-singleton", "plain", "tasks_per_s", None, ""),
-    ("celery-singleton", "plain", "enqueue_us", None, ""),
-    ("celery-once", "plain", "tasks_per_s", None, ""),
-    ("celery-once", "plain", "enqueue_us", None, ""),
+#: (row, figure, target ratio to plain or None, "min"/"max": the side the target bounds)
+RATIOS: tuple[tuple[str, str, float | None, str], ...] = (
+    ("dlock", "tasks_per_s", 0.92, "min"),
+    ("dlock", "enqueue_us", 1.05, "max"),
+    ("dlock-enqueue", "enqueue_us", 1.25, "max"),
+    ("dlock", "worker_cpu_us", None, ""),
+    ("dlock-redlock5", "tasks_per_s", None, ""),
+    ("dlock-redlock5", "enqueue_us", None, ""),
+    ("dlock-redlock5", "worker_cpu_us", None, ""),
+    ("dlock-enqueue", "tasks_per_s", None, ""),
+    ("celery-singleton", "tasks_per_s", None, ""),
+    ("celery-singleton", "enqueue_us", None, ""),
+    ("celery-once", "tasks_per_s", None, ""),
+    ("celery-once", "enqueue_us", None, ""),
 )
 
 
@@ -133,7 +146,8 @@ class Worker:
         self.env = env
         self.hostname = f"{name}@bench"
         self.concurrency = concurrency
-        self.logfile = Path(tempfile.mkdtemp(prefix="bench-worker-")) / "worker.log"
+        self.logdir = Path(tempfile.mkdtemp(prefix="bench-worker-"))
+        self.logfile = self.logdir / "worker.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, journal: redis.Redis, timeout: float = 60.0) -> None:
@@ -154,10 +168,11 @@ class Worker:
         while True:  # worker_ready pushes the hostname; BLPOP blocks until it does
             left = deadline - time.monotonic()
             if self.process.poll() is not None or left <= 0:
+                log = self.log()
                 self.stop()
-                raise RuntimeError(f"worker {self.hostname} did not start; log:\n{self.log()}")
+                raise RuntimeError(f"worker {self.hostname} did not start; log:\n{log}")
             popped = journal.blpop([READY_KEY], timeout=min(1.0, left))
-            if popped is not None and popped[1].decode() == self.hostname:
+            if popped is not None and popped[1] in (self.hostname, self.hostname.encode()):
                 return
 
     def cpu_s(self) -> float:
@@ -170,7 +185,7 @@ class Worker:
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
 
     def stop(self) -> None:
-        """Warm shutdown, then kill whatever is left of the group."""
+        """Warm shutdown, then kill whatever is left of the group; the log goes too."""
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -181,6 +196,17 @@ class Worker:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.process = None
+        shutil.rmtree(self.logdir, ignore_errors=True)
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """CPU time all CPUs spent busy (user, nice, system, irq, softirq), and stolen by the
+    hypervisor, since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq) / hz, steal / hz
 
 
 def servers_cpu_s(clients: Sequence[redis.Redis]) -> float:
@@ -196,14 +222,14 @@ def servers_cpu_s(clients: Sequence[redis.Redis]) -> float:
 
 @dataclass
 class Env:
-    """The servers and the clients of this process."""
+    """The app, the servers' clients and the worker settings."""
 
     app: Any
     broker: redis.Redis
     backend: redis.Redis
     journal: redis.Redis
     lock_clients: list[redis.Redis]  # single lock server first, then the five masters
-    server_clients: list[redis.Redis]
+    server_clients: list[redis.Redis]  # every server, for INFO cpu
     worker_env: dict[str, dict[str, str]]  # by "single" / "redlock"
     worker_cpus: str
     concurrency: int
@@ -212,11 +238,8 @@ class Env:
     serial: int = 0
 
     def fresh(self) -> None:
-        """Empty queues, results and locks: every measurement starts from the same state."""
-        self.broker.flushdb()
-        self.backend.flushdb()
-        self.journal.flushdb()
-        for c in self.lock_clients:
+        """Empty queues, results, journal and locks: every measurement starts alike."""
+        for c in (self.broker, self.backend, self.journal, *self.lock_clients):
             c.flushdb()
 
     def worker(self, row: str, locks: str) -> Worker:
@@ -247,6 +270,7 @@ def read_results(backend: redis.Redis, ids: Sequence[str]) -> list[dict[str, Any
 
 
 def done_at(meta: dict[str, Any]) -> float:
+    """When the worker stored the result (``date_done``, UTC), as a Unix time."""
     return datetime.fromisoformat(meta["date_done"]).timestamp()
 
 
@@ -264,7 +288,7 @@ def consume(env: Env, worker: Worker, queued: int) -> float:
 
     ``add_consumer`` adds the queue, but the worker's pending ``BRPOP`` (on ``idle`` only)
     would run on until its 1 s server-side timeout before the next one includes the new
-    queue: we end it early with ``CLIENT UNBLOCK`` (the worker sees a plain timeout), and
+    queue: we end it early with ``CLIENT UNBLOCK`` (the worker sees an ordinary timeout), and
     repeat that, with a deadline, until the worker has taken a message.
     """
     sent = time.time()
@@ -293,41 +317,51 @@ def throughput_round(env: Env, row: str, task_name: str, locks: str, tasks: int)
     try:
         base = env.serial * 1_000_000
         warm_up(env, task, base)
+        first = base + env.warmup
         gc.collect()
         gc.disable()  # no collection lands on one row's enqueue loop and not another's
         cpu0, t0 = time.process_time(), time.perf_counter()
-        ids = [task.delay(base + 1000 + i).id for i in range(tasks)]
+        ids = [task.delay(first + i).id for i in range(tasks)]
         t1, cpu1 = time.perf_counter(), time.process_time()
         gc.enable()
         queued = env.broker.llen(DEFAULT_QUEUE)
         if queued != tasks:
             raise RuntimeError(f"{row}: {queued} messages queued, expected {tasks}")
-        wcpu0 = worker.cpu_s()
-        scpu0 = servers_cpu_s(env.server_clients)
+        wcpu0, scpu0 = worker.cpu_s(), servers_cpu_s(env.server_clients)
+        (busy0, steal0), own0 = machine_cpu_s(), time.process_time()
         started = consume(env, worker, tasks)
         wait_results(env.backend, tasks, env.timeout, row)
-        wcpu1 = worker.cpu_s()
-        scpu1 = servers_cpu_s(env.server_clients)
+        (busy1, steal1), own1 = machine_cpu_s(), time.process_time()
+        wcpu1, scpu1 = worker.cpu_s(), servers_cpu_s(env.server_clients)
         metas = read_results(env.backend, ids)
     finally:
         worker.stop()
     bad = [
         (i, m.get("status"), m.get("result"))
         for i, m in enumerate(metas)
-        if m.get("status") != "SUCCESS" or m.get("result") != base + 1000 + i
+        if m.get("status") != "SUCCESS" or m.get("result") != first + i
     ]
     if bad:
         raise RuntimeError(f"{row}: {len(bad)} results wrong, e.g. {bad[:3]}")
     ends = sorted(done_at(m) for m in metas)
     drain = ends[-1] - started
     return {
+        "tasks_per_s": tasks / drain,
         "enqueue_us": (t1 - t0) * 1e6 / tasks,
         "enqueue_cpu_us": (cpu1 - cpu0) * 1e6 / tasks,
-        "tasks_per_s": tasks / drain,
-        "drain_s": drain,
-        "first_result_s": ends[0] - started,
         "worker_cpu_us": (wcpu1 - wcpu0) * 1e6 / tasks,
         "server_cpu_us": (scpu1 - scpu0) * 1e6 / tasks,
+        # Busy CPU time of everything else on the machine while the worker drained (other
+        # processes, kernel threads), and CPU time stolen by the hypervisor: interference.
+        "other_cpu_us": max(
+            0.0,
+            (busy1 - busy0) - (wcpu1 - wcpu0) - (scpu1 - scpu0) - (own1 - own0),
+        )
+        * 1e6
+        / tasks,
+        "steal_us": (steal1 - steal0) * 1e6 / tasks,
+        "drain_s": drain,
+        "first_result_s": ends[0] - started,
     }
 
 
@@ -343,11 +377,11 @@ def storm(env: Env, row: str, task_name: str, tasks: int, secs: float) -> dict[s
         env.backend.flushdb()
         t0 = time.perf_counter()
         for k in range(tasks):
-            # plain: what a storm becomes when deduplication works, one body that sleeps and
-            # messages that end at once (identical messages would all sleep).
-            body = secs if row != "plain" or k == 0 else 0.0
+            # plain: the first message sleeps, the others end at once and, so that they cost
+            # no more than an empty task, do not write to the journal (see the docstring)
+            full = row != "plain" or k == 0
             try:
-                ids.append(task.delay(0, secs=body, count=True).id)
+                ids.append(task.delay(0, secs=secs if full else 0.0, count=full).id)
             except Exception as exc:  # celery-once: AlreadyQueued
                 refused[type(exc).__name__] = refused.get(type(exc).__name__, 0) + 1
         t1 = time.perf_counter()
@@ -357,39 +391,81 @@ def storm(env: Env, row: str, task_name: str, tasks: int, secs: float) -> dict[s
         distinct = list(dict.fromkeys(ids))
         metas = read_results(env.backend, distinct)
         executed = int(env.journal.get(EXECUTED_KEY) or 0)
+        if row == "plain":
+            executed += published - 1  # the empty bodies, which did not count themselves
     finally:
         worker.stop()
     if any(m.get("status") != "SUCCESS" for m in metas):
         raise RuntimeError(f"storm {row}: not every result is SUCCESS: {metas[:3]}")
     dropped = [m for m in metas if isinstance(m.get("result"), dict)]
-    # The messages that end at once: SingletonTask's dropped duplicates; plain's no-op ones.
     quick = dropped if row != "plain" else metas[1:]
     return {
         "calls": tasks,
+        "body_s": secs,
         "enqueue_us": (t1 - t0) * 1e6 / tasks,
         "published": published,
         "answered_with_existing": len(ids) - len(distinct),
         "refused": refused,
         "executed": executed,
         "dropped": len(dropped),
-        "quick_drained_s": max(done_at(m) for m in quick) - started if quick else None,
+        "quick_s": max(done_at(m) for m in quick) - started if quick else None,
         "drained_s": max(done_at(m) for m in metas) - started,
-        "body_s": secs,
     }
 
 
 # -- the run ------------------------------------------------------------------------------------
 
 
-def median_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]}
-    out["rounds"] = [{k: round(v, 2) for k, v in r.items()} for r in rounds]
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
+    tps = [r["tasks_per_s"] for r in rounds]
+    out["tasks_per_s_spread"] = round((max(tps) - min(tps)) / statistics.median(tps), 3)
+    out["rounds"] = [{k: round(v, 3) for k, v in r.items()} for r in rounds]
+    return out
+
+
+def ratios(figures: dict[str, Any], storms: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    plain = figures.get("plain")
+    for row, fig, target, side in RATIOS:
+        if plain is None or row not in figures:
+            continue
+        value = figures[row][fig] / plain[fig]
+        met = None if target is None else (value >= target if side == "min" else value <= target)
+        per_round = [
+            round(r[fig] / p[fig], 3)
+            for r, p in zip(figures[row]["rounds"], plain["rounds"], strict=True)
+        ]
+        out[f"{row}/plain {fig}"] = {
+            "ratio": round(value, 3),
+            "per_round": per_round,
+            "target": target,
+            "side": side,
+            "met": met,
+        }
+    if "plain" in storms and "dlock" in storms:
+        s, p = storms["dlock"], storms["plain"]
+        out["storm dlock executions"] = {
+            "value": s["executed"],
+            "target": 1,
+            "side": "eq",
+            "met": s["executed"] == 1,
+        }
+        out["storm dlock/plain quick_s"] = {
+            "ratio": round(s["quick_s"] / p["quick_s"], 3),
+            "target": 1.0,
+            "side": "max",
+            "met": s["quick_s"] <= p["quick_s"],
+        }
     return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     all_cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    storm_sleep = args.storm_sleep
+    if storm_sleep is None:
+        storm_sleep = max(0.2, STORM_SLEEP_PER_CALL * args.tasks)
     with redis_servers(7) as servers:
         placement = pin(servers, args.pin)
         hub, lock1, masters = servers[0], servers[1], servers[2:]
@@ -400,10 +476,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "BENCH_JOURNAL": f"{base}/2",
             "BENCH_PEER_URL": lock1.url,
         }
-        redlock = ",".join(s.url for s in masters)
         worker_env = {
             "single": {**urls, "BENCH_LOCK_URLS": lock1.url},
-            "redlock": {**urls, "BENCH_LOCK_URLS": redlock},
+            "redlock": {**urls, "BENCH_LOCK_URLS": ",".join(s.url for s in masters)},
         }
         os.environ.update(worker_env["single"])  # this process's copy of the app
         import _throughput_app
@@ -431,30 +506,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if args.storm:
             names = {r[0]: r[1] for r in ROWS}
             for row in (r for r in STORM_ROWS if r in args.rows):
-                storms[row] = storm(env, row, names[row], args.tasks, args.storm_sleep)
+                storms[row] = storm(env, row, names[row], args.tasks, storm_sleep)
                 say(args, f"storm {row}: {storms[row]}")
         info = env.broker.info("server")
 
-    figures = {row: median_figures(r) for row, r in per_round.items()}
-    ratios: dict[str, Any] = {}
-    for num, den, fig, target, kind in TARGETS:
-        if num not in figures or den not in figures:
-            continue
-        value = figures[num][fig] / figures[den][fig]
-        met = None if target is None else (value >= target if kind == "min" else value <= target)
-        ratios[f"{num}/{den} {fig}"] = {"ratio": round(value, 3), "target": target, "met": met}
-    if "plain" in storms and "dlock" in storms:
-        s, p = storms["dlock"], storms["plain"]
-        ratios["storm dlock executions"] = {
-            "value": s["executed"],
-            "target": 1,
-            "met": s["executed"] == 1,
-        }
-        ratios["storm dlock/plain quick_drained_s"] = {
-            "ratio": round(s["quick_drained_s"] / p["quick_drained_s"], 3),
-            "target": 1.0,
-            "met": s["quick_drained_s"] <= p["quick_drained_s"],
-        }
+    figures = {row: summarize(r) for row, r in per_round.items() if r}
     return {
         "machine": {
             **machine("celery", "kombu", "celery-singleton", "celery-once"),
@@ -466,13 +522,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "pool": "prefork",
             "rounds": args.rounds,
             "warmup": args.warmup,
-            "storm_sleep_s": args.storm_sleep,
+            "storm_sleep_s": storm_sleep,
             "pin": placement,
             "worker_cpus": all_cpus,
         },
         "throughput": figures,
         "storm": storms,
-        "ratios": ratios,
+        "ratios": ratios(figures, storms),
         "elapsed_s": round(time.monotonic() - began, 1),
     }
 
@@ -493,43 +549,54 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"celery_dlock: {m['celery_dlock']}")
     print(f"CPU placement: {s['pin']}; worker on CPUs {s['worker_cpus']}")
     print(
-        f"{s['tasks']} tasks per row and round, worker -P prefork -c {s['concurrency']}, "
-        f"{s['rounds']} interleaved rounds (medians over rounds)\n"
+        f"{s['tasks']} tasks per row and round, celery worker -P prefork -c {s['concurrency']}, "
+        f"{s['rounds']} interleaved rounds; medians over rounds\n"
     )
     figs = result["throughput"]
     plain = figs.get("plain")
     print(
-        f"{'row':<17} {'tasks/s':>8} {'/ plain':>8} {'enqueue us':>11} {'/ plain':>8} "
-        f"{'worker CPU us':>14} {'server CPU us':>14}  tasks/s per round"
+        f"{'row':<17} {'tasks/s':>8} {'/ plain':>7} {'enqueue us':>10} {'/ plain':>7} "
+        f"{'enq CPU':>7} {'worker CPU':>10} {'server CPU':>10} {'other':>5}  tasks/s per round"
     )
     for row, f in figs.items():
         tp = f"{f['tasks_per_s'] / plain['tasks_per_s']:.3f}" if plain else "-"
         eq = f"{f['enqueue_us'] / plain['enqueue_us']:.3f}" if plain else "-"
         per = " ".join(f"{r['tasks_per_s']:.0f}" for r in f["rounds"])
         print(
-            f"{row:<17} {f['tasks_per_s']:>8.1f} {tp:>8} {f['enqueue_us']:>11.1f} {eq:>8} "
-            f"{f['worker_cpu_us']:>14.0f} {f['server_cpu_us']:>14.0f}  {per}"
+            f"{row:<17} {f['tasks_per_s']:>8.1f} {tp:>7} {f['enqueue_us']:>10.1f} {eq:>7} "
+            f"{f['enqueue_cpu_us']:>7.0f} {f['worker_cpu_us']:>10.0f} "
+            f"{f['server_cpu_us']:>10.0f} {f['other_cpu_us']:>5.0f}  {per}"
         )
+    print(
+        "(CPU columns: us per task; enq CPU: this process while enqueueing; other: the rest "
+        "of the machine while the worker drained)"
+    )
     if result["storm"]:
-        print(f"\nstorm: {s['tasks']} calls with identical arguments, body {s['storm_sleep_s']} s")
+        print(
+            f"\nstorm: {s['tasks']} calls with identical arguments; the body sleeps "
+            f"{s['storm_sleep_s']:g} s (plain: only the first message's body)"
+        )
         print(
             f"{'library':<17} {'published':>9} {'merged':>7} {'refused':>8} {'executed':>8} "
-            f"{'dropped':>8} {'quick s':>8} {'drained s':>9} {'enqueue us':>11}"
+            f"{'dropped':>8} {'quick s':>8} {'drained s':>9} {'enqueue us':>10}"
         )
         for row, st in result["storm"].items():
             refused = sum(st["refused"].values())
-            quick = "-" if st["quick_drained_s"] is None else f"{st['quick_drained_s']:.3f}"
+            quick = "-" if st["quick_s"] is None else f"{st['quick_s']:.3f}"
             print(
                 f"{row:<17} {st['published']:>9} {st['answered_with_existing']:>7} "
                 f"{refused:>8} {st['executed']:>8} {st['dropped']:>8} {quick:>8} "
-                f"{st['drained_s']:>9.3f} {st['enqueue_us']:>11.1f}"
+                f"{st['drained_s']:>9.3f} {st['enqueue_us']:>10.1f}"
             )
-    print("\nratios and targets")
+    print("\nratios (of medians; per round in brackets) and targets")
     for key, r in result["ratios"].items():
         value = r.get("ratio", r.get("value"))
-        line = f"  {key:<40} {value:>7}"
+        line = f"  {key:<36} {value:>6}"
+        if "per_round" in r:
+            line += f"  ({' '.join(f'{x:.3f}' for x in r['per_round'])})"
         if r["target"] is not None:
-            line += f"   target {r['target']}: {'met' if r['met'] else 'MISSED'}"
+            bound = {"min": ">=", "max": "<=", "eq": "=="}[r["side"]]
+            line += f"   target {bound} {r['target']}: {'met' if r['met'] else 'MISSED'}"
         print(line)
     print(f"\nelapsed {result['elapsed_s']} s")
 
@@ -540,18 +607,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--tasks", type=int, default=2000, help="tasks per row and round")
     parser.add_argument("--concurrency", type=int, default=2, help="worker pool processes")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved throughput rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved throughput rounds")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up tasks per worker")
-    parser.add_argument("--storm-sleep", type=float, default=STORM_SLEEP, help="storm body s")
-    parser.add_argument("--no-storm", dest="storm", action="store_false", help="skip storms")
     parser.add_argument(
-        "--rows", nargs="+", default=[r[0] for r in ROWS], choices=[r[0] for r in ROWS]
+        "--storm-sleep",
+        type=float,
+        default=None,
+        help="seconds the storm body sleeps (default: 2 ms per call, at least 0.2)",
     )
+    parser.add_argument("--no-storm", dest="storm", action="store_false", help="skip storms")
+    names = [r[0] for r in ROWS]
+    parser.add_argument("--rows", nargs="+", default=names, choices=names, metavar="ROW")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each wait")
     parser.add_argument("--pin", choices=("split", "same", "none"), default="split")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
+    parser.add_argument(
+        "--report", metavar="JSON", help="print the report of a saved --json result and exit"
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        print_report(json.loads(Path(args.report).read_text()))
+        return 0
     result = measure(args)
     if args.json:
         print(json.dumps(result))
