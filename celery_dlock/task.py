@@ -128,7 +128,8 @@ class SingletonTask(_TaskBase):
     @property
     def lease(self) -> Lease | None:
         """The lease the current execution holds (None outside a running singleton body)."""
-        return getattr(self.request, "_dlock_lease", None)
+        stack = _lease_stack(self)
+        return stack[-1] if stack else None
 
     # -- configuration, resolved on first use --------------------------------------------------
 
@@ -175,14 +176,17 @@ class SingletonTask(_TaskBase):
                 return self._contended(key, exc, args, kwargs)
             except LockUnavailable as exc:
                 return self._unavailable(key, exc, args, kwargs)
-            vars(request)["_dlock_lease"] = lease
+            # Kept per thread and task, not on ``self.request``: Celery may push a fresh request
+            # context inside ``__call__`` (eager runs on older versions).
+            stack = _lease_stack(self)
+            stack.append(lease)
             try:
                 result = super().__call__(*args, **kwargs)
             finally:
                 if run is not None:
                     interrupt.stop(run)
                     run = None
-                vars(request)["_dlock_lease"] = None
+                stack.pop()
                 lease.release()  # a no-op when a retry already released or handed it over
             if self.on_lock_lost == "raise" and lease.lost:
                 # The body finished, but not necessarily alone: do not report success.
@@ -450,6 +454,15 @@ def requeue_delay(done: int, first: float, cap: float) -> float:
 
 
 _resolve_lock = threading.Lock()
+#: Per thread: task instance id -> the leases of its running executions (innermost last).
+_running = threading.local()
+
+
+def _lease_stack(task: SingletonTask) -> list[Lease]:
+    stacks: dict[int, list[Lease]] | None = getattr(_running, "stacks", None)
+    if stacks is None:
+        stacks = _running.stacks = {}
+    return stacks.setdefault(id(task), [])
 
 
 class _Resolved:
