@@ -15,11 +15,12 @@ The value stored under a lock key is one line of JSON, readable with ``redis-cli
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import socket
 import time
 from dataclasses import dataclass
+
+from celery_dlock import forks
 
 TOKEN_BYTES = 20
 
@@ -70,7 +71,7 @@ class _ProcessPart:
         self.text = ""
 
     def get(self) -> str:
-        pid = os.getpid()
+        pid = forks.pid()
         if pid != self.pid:
             self.text = f',"host":{json.dumps(socket.gethostname())},"pid":{pid}'
             self.pid = pid

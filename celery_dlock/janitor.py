@@ -15,11 +15,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
+from celery_dlock import forks
 from celery_dlock.transport import Node, run_script
 
 log = logging.getLogger("celery_dlock.release")
@@ -44,15 +44,15 @@ class Janitor:
     """A background thread that voids failed attempts on silent nodes."""
 
     def __init__(self) -> None:
-        self._pid = os.getpid()
+        self._pid = forks.pid()
         self._cond = threading.Condition()
         self._heap: list[_Void] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
 
     def _fork_check(self) -> None:
-        if self._pid != os.getpid():  # forked: the parent's pending work is not ours
-            self._pid = os.getpid()
+        if self._pid != forks.pid():  # forked: the parent's pending work is not ours
+            self._pid = forks.pid()
             self._cond = threading.Condition()
             self._heap = []
             self._thread = None

@@ -180,10 +180,11 @@ class Lease:
         except Exception:
             log.exception("lost-lease callback %r failed for key %s", callback, self.key)
 
-    def release(self) -> bool:
+    def release(self, *, wait: bool = True) -> bool:
         """Give the lock back; True if a quorum confirmed the delete. Idempotent, never raises
-        on Redis errors (the key then expires after at most the ttl)."""
-        return self._manager.release(self)
+        on Redis errors (the key then expires after at most the ttl). ``wait=False`` sends the
+        release without waiting for the nodes' replies (and returns False)."""
+        return self._manager.release(self, wait=wait)
 
     def set_released(self) -> bool:
         """Mark released; False if it already was."""

@@ -44,7 +44,7 @@ from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
-from celery_dlock.transport import Node, Reply, blocking_pop, run_script
+from celery_dlock.transport import Node, Reply, blocking_pop, run_script, send_script
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -168,6 +168,34 @@ class LockManager:
             max_hold = check_seconds("max_hold", max_hold)
         if holder is not None and not isinstance(holder, str):
             raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
+        return self.acquire_checked(
+            key,
+            ttl,
+            wait,
+            holder=holder,
+            interval=interval,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            takeover=takeover,
+            queued=queued,
+            sender=sender,
+        )
+
+    def acquire_checked(
+        self,
+        key: str,
+        ttl: float,
+        wait: float | None,
+        *,
+        holder: str | None,
+        interval: float | None,
+        max_hold: float | None = None,
+        on_lost: LostCallback | None = None,
+        takeover: str | None = None,
+        queued: bool = False,
+        sender: Any = None,
+    ) -> Lease:
+        """:meth:`acquire` for arguments already checked (a task checks its options once)."""
         request = _Request(key, ttl, holder, interval, max_hold, takeover or "", queued, sender)
         return self._acquire(request, wait, on_lost)
 
@@ -407,15 +435,34 @@ class LockManager:
 
     # -- release ---------------------------------------------------------------------------
 
-    def release(self, lease: Lease) -> bool:
-        """Delete the lease's key on every node; True if a quorum confirmed."""
+    def release(self, lease: Lease, *, wait: bool = True) -> bool:
+        """Delete the lease's key on every node; True if a quorum confirmed.
+
+        ``wait=False`` sends the release to every node without waiting for the replies (they
+        are read before this thread's next command) and returns False: for the end of a task,
+        where the next task should not wait on a round trip that decides nothing for it.
+        """
+        keys = self.redis_keys(lease.key)
         with lease.io_lock:
             if not lease.set_released():
                 return False
             watchdog.discard(lease)
-            replies = self._release_on(
-                self.nodes, self.redis_keys(lease.key), lease.head, lease.ttl, wake=True
+            if not wait:
+                args = (lease.head, _ms(lease.ttl), "1", head_token(lease.head))
+                send_script(self.nodes, "release", (keys[0], keys[2]), args)
+                replies: list[Reply] = []
+            else:
+                replies = self._release_on(self.nodes, keys, lease.head, lease.ttl, wake=True)
+        if not wait:
+            lock_released.send(
+                sender=lease.sender,
+                key=lease.key,
+                token=lease.token,
+                task_id=lease.holder,
+                held_for=time.monotonic() - lease.acquired_at,
+                confirmed=None,
             )
+            return False
         deleted = sum(1 for r in replies if r == 1)
         confirmed = deleted >= self.quorum
         lock_released.send(

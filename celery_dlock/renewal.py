@@ -11,12 +11,13 @@ parent's leases stay the parent's.
 from __future__ import annotations
 
 import logging
-import os
+import math
 import threading
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from celery_dlock import forks
 from celery_dlock.transport import background
 
 if TYPE_CHECKING:
@@ -35,18 +36,20 @@ class Watchdog:
     """Renews leases in the background; one per process."""
 
     def __init__(self) -> None:
-        self._pid = os.getpid()
+        self._pid = forks.pid()
         self._cond = threading.Condition()
         self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
+        self._wake_at = math.inf  # when the thread will look next, if it is waiting
 
     def _fork_check(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != forks.pid():
             # Forked: the parent's leases and thread do not belong to this process.
-            self._pid = os.getpid()
+            self._pid = forks.pid()
             self._cond = threading.Condition()
             self._leases = set()
             self._thread = None
+            self._wake_at = math.inf
 
     def add(self, lease: Lease) -> None:
         self._fork_check()
@@ -57,7 +60,10 @@ class Watchdog:
                     target=self._run, name="dlock-watchdog", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if _due_at(lease) < self._wake_at:
+                # Only a lease due before the thread's next look needs waking it: most
+                # acquisitions are not, and a needless wake-up costs a GIL hand-off each.
+                self._cond.notify()
 
     def discard(self, lease: Lease) -> None:
         self._fork_check()
@@ -80,13 +86,16 @@ class Watchdog:
                 if cond is not self._cond:
                     return  # forked away from under us (cannot happen in the child's thread)
                 if not self._leases:
+                    self._wake_at = math.inf
                     cond.wait()
                     continue
                 now = time.monotonic()
                 wake = min(_due_at(lease) for lease in self._leases)
                 if wake > now:
+                    self._wake_at = wake
                     cond.wait(wake - now)
                     continue
+                self._wake_at = -math.inf  # busy: adds need not wake us
                 due = [lease for lease in self._leases if _due_at(lease) <= now + _slack(lease)]
             try:
                 self._service(due)

@@ -27,5 +27,6 @@ lock_acquired = Signal(name="dlock_lock_acquired")
 lock_contended = Signal(name="dlock_lock_contended")
 #: A held lease was lost. Extra: ``reason``, ``held_for`` (seconds since it was taken).
 lock_lost = Signal(name="dlock_lock_lost")
-#: A lease was given back. Extra: ``held_for`` (seconds), ``confirmed`` (a quorum deleted it).
+#: A lease was given back. Extra: ``held_for`` (seconds), ``confirmed`` (a quorum deleted it;
+#: None when the release was sent without waiting, as at the end of a task).
 lock_released = Signal(name="dlock_lock_released")

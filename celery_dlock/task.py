@@ -31,7 +31,9 @@ the task class is created.
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -42,7 +44,7 @@ from celery.utils import uuid
 from celery.utils.time import get_exponential_backoff_interval
 
 from celery_dlock import interrupt
-from celery_dlock.config import check_seconds, check_ttl
+from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
 from celery_dlock.holder import Holder
 from celery_dlock.keys import KeyBuilder
@@ -117,10 +119,10 @@ class SingletonTask(_TaskBase):
     @classmethod
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
-        if cls.lock_on == "enqueue":
-            from celery_dlock.worker import enqueue_apps
+        if cls.lock_on == "enqueue" and cls.name:
+            from celery_dlock.worker import register_enqueue_task
 
-            enqueue_apps.add(app)
+            register_enqueue_task(cls.name, app)
         return bound
 
     # -- the running lease ---------------------------------------------------------------------
@@ -160,13 +162,15 @@ class SingletonTask(_TaskBase):
         if duplicate_of:
             return self._drop(key, None, duplicate_of)
         run = interrupt.start() if self.on_lock_lost == "raise" else None
+        lease: Lease | None = None
         try:
             try:
-                lease = resolved.manager.acquire(
+                lease = resolved.manager.acquire_checked(
                     key,
-                    ttl=resolved.ttl,
-                    wait=self.lock_wait if self.on_duplicate == "wait" else 0.0,
+                    resolved.ttl,
+                    self.lock_wait if self.on_duplicate == "wait" else 0.0,
                     holder=request.id,
+                    interval=resolved.interval,
                     max_hold=resolved.max_hold(request),
                     on_lost=self._on_lost_handler(run),
                     takeover=request.id if self.lock_on == "enqueue" else None,
@@ -187,15 +191,18 @@ class SingletonTask(_TaskBase):
                     interrupt.stop(run)
                     run = None
                 stack.pop()
-                lease.release()  # a no-op when a retry already released or handed it over
+                # Not waiting for the nodes' replies: they decide nothing for this task, and the
+                # next task on this process reads them first. A no-op when a retry already
+                # released the lease or handed it over.
+                lease.release(wait=False)
             if self.on_lock_lost == "raise" and lease.lost:
                 # The body finished, but not necessarily alone: do not report success.
                 lease.ensure_lost_error()
             return result
         except interrupt.LockLostInterrupt:
-            lost = getattr(locals().get("lease"), "ensure_lost_error", None)
-            if lost is not None:
-                lost()
+            # Raised into the body by the lost-lease interrupt: report the lease's own error.
+            if lease is not None:
+                lease.ensure_lost_error()
             raise
         finally:
             if run is not None:
@@ -434,11 +441,25 @@ def queue_lock(
     return None, None
 
 
+#: Holder ids recently found not revoked: a storm of duplicates reads the backend once a
+#: second per holder, not once per duplicate.
+_not_revoked: dict[str, float] = {}
+REVOKED_RECHECK = 1.0
+
+
 def _revoked(task: SingletonTask, task_id: str) -> bool:
-    try:
-        return str(task.AsyncResult(task_id).state) == states.REVOKED
-    except Exception:  # no result backend, or it is down: assume not revoked
+    now = time.monotonic()
+    if now - _not_revoked.get(task_id, -math.inf) < REVOKED_RECHECK:
         return False
+    try:
+        revoked = str(task.AsyncResult(task_id).state) == states.REVOKED
+    except Exception:  # no result backend, or it is down: assume not revoked
+        revoked = False
+    if not revoked:
+        if len(_not_revoked) > 1000:
+            _not_revoked.clear()
+        _not_revoked[task_id] = now
+    return revoked
 
 
 def requeue_delay(done: int, first: float, cap: float) -> float:
@@ -474,12 +495,13 @@ class _Resolved:
         self.keys = KeyBuilder(task.name, task.run, task.lock_key)
         self._task = task
 
+        self.interval = check_renew_interval(None, self.ttl)
+        self._task_limit = task.time_limit or task.app.conf.task_time_limit
+
     def max_hold(self, request: Any) -> float | None:
         if self._task.lock_max_hold is not None:
             return float(self._task.lock_max_hold)
-        limit = (request.timelimit or (None, None))[0] or self._task.time_limit
-        if limit is None:
-            limit = self._task.app.conf.task_time_limit
+        limit = (request.timelimit or (None, None))[0] or self._task_limit
         return float(limit) if limit else None
 
 

@@ -14,7 +14,6 @@ options, TLS, authentication and the hiredis parser work as in redis-py. Scripts
 from __future__ import annotations
 
 import logging
-import os
 import select
 import threading
 import time
@@ -31,7 +30,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from celery_dlock import scripts
+from celery_dlock import forks, scripts
 from celery_dlock.config import redact
 
 log = logging.getLogger("celery_dlock.transport")
@@ -61,7 +60,7 @@ class Node:
             name: self.client.register_script(source) for name, source in scripts.ALL.items()
         }
         self._local = threading.local()
-        self._pid = os.getpid()
+        self._pid = forks.pid()
         self._down_until = 0.0
 
     @property
@@ -88,10 +87,10 @@ class Node:
 
     def connection(self, purpose: str = "cmd") -> Connection:
         """This thread's connection for ``purpose`` ("cmd", or "wait" for blocking pops)."""
-        if self._pid != os.getpid():
+        if self._pid != forks.pid():
             # A forked child must not share the parent's sockets: start afresh.
             self._local = threading.local()
-            self._pid = os.getpid()
+            self._pid = forks.pid()
         conns: _ThreadConnections | None = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = _ThreadConnections()
@@ -142,14 +141,14 @@ class _ProcessPool:
         self._name = name
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None
-        self._pid = os.getpid()
+        self._pid = forks.pid()
         self._lock = threading.Lock()
 
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
-            if self._pool is None or self._pid != os.getpid():
+            if self._pool is None or self._pid != forks.pid():
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._name)
-                self._pid = os.getpid()
+                self._pid = forks.pid()
             return self._pool
 
 
@@ -200,10 +199,18 @@ _PENDING = object()
 
 
 def _stale(conn: Connection) -> bool:
-    """True if an idle connection has data or EOF waiting: it can no longer be trusted."""
+    """True if an idle connection has data or EOF waiting: it can no longer be trusted.
+
+    One ``poll()`` on the socket; our connections never leave a reply unread in the parser.
+    """
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return False
     try:
-        return bool(conn.can_read(0))
-    except (RedisError, OSError):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
         return True
 
 
@@ -247,6 +254,70 @@ def run_script(
     return replies
 
 
+def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
+    """Send script ``name`` to every node without waiting for the replies.
+
+    Each connection remembers what it still owes a reply for; the reply is read (and a
+    forgotten script sent again as source) before that connection's next command. Redis runs a
+    connection's commands in order, so nothing sent later on this thread can overtake it. For
+    releases at the end of a task, where waiting for the reply would only delay the next task.
+    """
+    packed = None
+    for node in nodes:
+        if len(nodes) > 1 and node.down:
+            continue
+        conn = node.connection()
+        try:
+            if not is_connected(conn):
+                conn.connect()
+            _drain(node, conn)
+            if _stale(conn):
+                conn.disconnect()
+                conn.connect()
+            if packed is None:
+                sha = node.scripts[name].sha
+                packed = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)
+            conn.send_packed_command(packed, check_health=False)
+            _owed(conn).append((name, tuple(keys), tuple(args)))
+        except (RedisError, OSError) as exc:
+            conn.disconnect()
+            log.debug("could not send %s to %s: %s", name, node.shown, exc)
+
+
+def _owed(conn: Connection) -> list[tuple[str, tuple[str, ...], tuple[Any, ...]]]:
+    owed: list[tuple[str, tuple[str, ...], tuple[Any, ...]]] | None = getattr(
+        conn, "_dlock_owed", None
+    )
+    if owed is None:
+        owed = conn._dlock_owed = []
+    return owed
+
+
+def _drain(node: Node, conn: Connection) -> None:
+    """Read the replies ``conn`` still owes (see :func:`send_script`); drop it on trouble."""
+    owed = _owed(conn)
+    if not owed:
+        return
+    try:
+        if not is_connected(conn):
+            return
+        while owed:
+            name, keys, args = owed[0]
+            try:  # the reply is almost always there already; the socket timeout bounds it
+                conn.read_response()
+            except NoScriptError:
+                source = node.scripts[name].script
+                conn.send_command("EVAL", source, len(keys), *keys, *args)
+                conn.read_response()
+            owed.pop(0)
+    except (RedisError, OSError) as exc:
+        log.debug("reply owed by %s lost: %s", node.shown, exc)
+        conn.disconnect()
+    finally:
+        if not is_connected(conn):
+            owed.clear()
+
+
 def _exchange(
     nodes: Sequence[Node],
     conns: Sequence[Connection],
@@ -267,6 +338,8 @@ def _exchange(
     """
     unread: dict[int, int] = {}  # socket fd -> node index
     try:
+        for i in todo:
+            _drain(nodes[i], conns[i])
         stale = _stale_set(conns, todo) if len(todo) > 1 else None
         for i in todo:
             conn = conns[i]

@@ -27,8 +27,16 @@ from celery_dlock.task import HEADER_DUPLICATE_OF, HEADER_QUEUED, SingletonTask,
 
 log = logging.getLogger("celery_dlock.release")
 
-#: Apps that have enqueue-time singleton tasks (SingletonTask.bind adds them).
-enqueue_apps: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Enqueue-time singleton task name -> the app that registered it first (SingletonTask.bind).
+#: Celery copies a task into every app finalized later ("shared" tasks), each copy with its
+#: app's settings; the handler below cannot see which app publishes, so it uses the first.
+_enqueue_owner: dict[str, weakref.ref[Any]] = {}
+
+
+def register_enqueue_task(name: str, app: Any) -> None:
+    owner = _enqueue_owner.get(name)
+    if owner is None or owner() is None:
+        _enqueue_owner[name] = weakref.ref(app)
 
 
 @task_revoked.connect
@@ -64,10 +72,14 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
 
 
 def _enqueue_task(name: Any) -> SingletonTask | None:
-    for app in list(enqueue_apps):
-        task = app.tasks.get(name)
-        if isinstance(task, SingletonTask) and task.lock_on == "enqueue":
-            return task
+    owner = _enqueue_owner.get(name) if isinstance(name, str) else None
+    app = owner() if owner is not None else None
+    if app is None:
+        return None
+    # The registry itself, not ``app.tasks``: that would finalize the app as a side effect.
+    task = app._tasks.get(name)
+    if isinstance(task, SingletonTask) and task.lock_on == "enqueue":
+        return task
     return None
 
 
