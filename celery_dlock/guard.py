@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from celery_dlock.config import check_key, check_renew_interval, check_seconds, check_ttl
+from celery_dlock.errors import ConfigError
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for
@@ -34,7 +35,7 @@ class LockGuard:
         self,
         manager: LockManager,
         key: str,
-        ttl: float | None,
+        ttl: float,
         wait: float | None,
         options: dict[str, Any],
     ) -> None:
@@ -46,7 +47,8 @@ class LockGuard:
         self._local = threading.local()
 
     def acquire(self) -> Lease:
-        return self._manager.acquire(self._key, ttl=self._ttl, wait=self._wait, **self._options)
+        """Take the lease now (the arguments were checked when the lock was defined)."""
+        return self._manager.acquire_checked(self._key, self._ttl, self._wait, **self._options)
 
     def __enter__(self) -> Lease:
         lease = self.acquire()
@@ -103,20 +105,13 @@ def lock(
     manager = manager_for(app_or_urls)
     check_key(key)
     factor = manager.settings.drift_factor
-    if ttl is not None:
-        ttl = check_ttl("ttl", ttl, factor)
-    effective_ttl = manager.settings.ttl if ttl is None else ttl
-    if renew:
-        check_renew_interval(renew_interval, effective_ttl, factor)
+    ttl = manager.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
+    interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
     if wait is not None:
         wait = check_seconds("wait", wait, allow_zero=True)
     if max_hold is not None:
-        check_seconds("max_hold", max_hold)
-    options = {
-        "holder": holder,
-        "renew": renew,
-        "renew_interval": renew_interval,
-        "max_hold": max_hold,
-        "on_lost": on_lost,
-    }
+        max_hold = check_seconds("max_hold", max_hold)
+    if holder is not None and not isinstance(holder, str):
+        raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
+    options = {"holder": holder, "interval": interval, "max_hold": max_hold, "on_lost": on_lost}
     return LockGuard(manager, key, ttl, wait, options)

@@ -453,18 +453,7 @@ class LockManager:
                 replies: list[Reply] = []
             else:
                 replies = self._release_on(self.nodes, keys, lease.head, lease.ttl, wake=True)
-        if not wait:
-            lock_released.send(
-                sender=lease.sender,
-                key=lease.key,
-                token=lease.token,
-                task_id=lease.holder,
-                held_for=time.monotonic() - lease.acquired_at,
-                confirmed=None,
-            )
-            return False
-        deleted = sum(1 for r in replies if r == 1)
-        confirmed = deleted >= self.quorum
+        confirmed = sum(1 for r in replies if r == 1) >= self.quorum if wait else None
         lock_released.send(
             sender=lease.sender,
             key=lease.key,
@@ -473,6 +462,8 @@ class LockManager:
             held_for=time.monotonic() - lease.acquired_at,
             confirmed=confirmed,
         )
+        if confirmed is None:
+            return False
         failed = [
             self.nodes[i].shown for i, r in enumerate(replies) if isinstance(r, BaseException)
         ]
