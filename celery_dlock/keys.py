@@ -97,6 +97,7 @@ class KeyBuilder:
             self.signature: inspect.Signature | None = inspect.signature(run)
         except (TypeError, ValueError):  # a builtin or otherwise opaque callable
             self.signature = None
+        self._simple_signature = self._simple()
         self._build = self._make(lock_key)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
@@ -156,10 +157,43 @@ class KeyBuilder:
         self._check_names(fields, where)
         return fields
 
+    def _simple(self) -> tuple[list[str], dict[str, Any]] | None:
+        """Names and defaults of a signature of plain positional-or-keyword parameters."""
+        if self.signature is None:
+            return None
+        params = list(self.signature.parameters.values())
+        if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+            return None
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        return [p.name for p in params], defaults
+
+    def _fast_bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Bind a plain signature without inspect's general (and slower) machinery; None
+        when the call is not simple, or wrong (the general binding then says why)."""
+        if self._simple_signature is None:
+            return None
+        names, defaults = self._simple_signature
+        if len(args) > len(names):
+            return None
+        bound = dict(zip(names, args, strict=False))
+        for name, value in kwargs.items():
+            if name in bound or name not in self._parameters():
+                return None
+            bound[name] = value
+        for name in names:
+            if name not in bound:
+                if name not in defaults:
+                    return None
+                bound[name] = defaults[name]
+        return {name: bound[name] for name in names}
+
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Arguments by parameter name, defaults applied; ``*args``/``**kw`` kept as such."""
         if self.signature is None:
             return {"args": list(args), "kwargs": dict(kwargs)}
+        fast = self._fast_bind(args, kwargs)
+        if fast is not None:
+            return fast
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:

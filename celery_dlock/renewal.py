@@ -28,6 +28,8 @@ log = logging.getLogger("celery_dlock.renew")
 
 #: A lease due within this fraction of its interval is renewed with the current batch.
 BATCH_SLACK = 0.25
+#: The idle watchdog looks for new leases at least this often (seconds).
+IDLE_TICK = 1.0
 #: After a renewal nobody answered, retry after this fraction of the renew interval.
 RETRY_FRACTION = 0.25
 
@@ -86,8 +88,10 @@ class Watchdog:
                 if cond is not self._cond:
                     return  # forked away from under us (cannot happen in the child's thread)
                 if not self._leases:
-                    self._wake_at = math.inf
-                    cond.wait()
+                    # Idle: look again within IDLE_TICK anyway, so that adding a lease due
+                    # later than that needs no wake-up (most leases end long before renewal).
+                    self._wake_at = time.monotonic() + IDLE_TICK
+                    cond.wait(IDLE_TICK)
                     continue
                 now = time.monotonic()
                 wake = min(_due_at(lease) for lease in self._leases)

@@ -157,10 +157,11 @@ class SingletonTask(_TaskBase):
             return super().__call__(*args, **kwargs)  # a plain function call takes no lock
         resolved = self._dlock()
         key = resolved.keys(args, kwargs)
-        headers = request.headers or {}
-        duplicate_of = headers.get(HEADER_DUPLICATE_OF)
-        if duplicate_of:
-            return self._drop(key, None, duplicate_of)
+        if self.lock_on == "enqueue":
+            # Marked at publish (send_task, beat) as a duplicate of a queued task.
+            duplicate_of = (request.headers or {}).get(HEADER_DUPLICATE_OF)
+            if duplicate_of:
+                return self._drop(key, None, duplicate_of)
         run = interrupt.start() if self.on_lock_lost == "raise" else None
         lease: Lease | None = None
         try:

@@ -271,9 +271,8 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             if not is_connected(conn):
                 conn.connect()
             _drain(node, conn)
-            if _stale(conn):
-                conn.disconnect()
-                conn.connect()
+            # No staleness check: a connection the server closed means the server restarted
+            # and lost the key anyway; the next command finds the dead connection and replaces it.
             if packed is None:
                 sha = node.scripts[name].sha
                 packed = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)

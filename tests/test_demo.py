@@ -1,0 +1,18 @@
+"""The README's first command runs this demo: it must keep working and tell the truth."""
+
+from __future__ import annotations
+
+import pytest
+
+from example_project.__main__ import main
+
+
+@pytest.mark.local_redis
+@pytest.mark.parametrize("argv", [[], ["--redlock"]], ids=["single", "redlock5"])
+def test_demo_runs_and_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "task-B refused at once" in out
+    assert "took over" in out
+    assert "LockLost" in out
+    assert out.rstrip().endswith("demo OK")
