@@ -502,8 +502,9 @@ class LockManager:
         log_release.debug("handed key=%s over to the queued retry of %s", lease.key, lease.holder)
         return done >= self.quorum
 
-    def forget_queued(self, lease: Lease) -> None:
-        """A queued lock's lease object is not renewed or released by this process."""
+    def forget(self, lease: Lease) -> None:
+        """Drop a lease this process will neither renew nor release (a queued lock, a beat
+        tick key): its key lives out its ttl, or passes to whoever takes it over."""
         lease.set_released()
 
     def release_by_holder(self, key: str, holder: str) -> bool:

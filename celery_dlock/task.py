@@ -157,11 +157,12 @@ class SingletonTask(_TaskBase):
             return super().__call__(*args, **kwargs)  # a plain function call takes no lock
         resolved = self._dlock()
         key = resolved.keys(args, kwargs)
-        if self.lock_on == "enqueue":
-            # Marked at publish (send_task, beat) as a duplicate of a queued task.
-            duplicate_of = (request.headers or {}).get(HEADER_DUPLICATE_OF)
-            if duplicate_of:
-                return self._drop(key, None, duplicate_of)
+        # Marked at publish as a duplicate: of a queued task (enqueue-time mode, send_task), or
+        # of the beat send that already ran this schedule slot.
+        duplicate_of = getattr(request, HEADER_DUPLICATE_OF, None)
+        if duplicate_of:
+            self._signal(key, None, "drop")
+            return self._drop(key, None, duplicate_of)
         run = interrupt.start() if self.on_lock_lost == "raise" else None
         lease: Lease | None = None
         try:
@@ -437,7 +438,7 @@ def queue_lock(
                 retry_in=None,
             )
             return None, holder.holder
-        manager.forget_queued(queued)
+        manager.forget(queued)
         return key, None
     return None, None
 

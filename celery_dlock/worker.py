@@ -11,17 +11,22 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
   going through ``SingletonTask.apply_async`` (``send_task`` by name, a beat process that did
   not import the task) take the queued lock here, or are marked as duplicates, which the
   worker then drops without running the body.
+* ``before_task_publish`` (beat processes): a scheduled SingletonTask's send takes its tick
+  key, or is marked as a duplicate of the send that has it (see :mod:`celery_dlock.beat`).
 * ``worker_process_shutdown`` (pool child): release whatever the process still holds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import weakref
 from typing import Any
 
 from celery.signals import before_task_publish, task_revoked, worker_process_shutdown
 
+from celery_dlock.beat import HEADER_BEAT, HEADER_TICK, Tick, claim_tick, current_tick
 from celery_dlock.renewal import watchdog
 from celery_dlock.task import HEADER_DUPLICATE_OF, HEADER_QUEUED, SingletonTask, queue_lock
 
@@ -53,7 +58,12 @@ def release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 @before_task_publish.connect
 def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **_: Any) -> None:
-    if not headers or HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
+    if not headers:
+        return
+    tick = current_tick()
+    if tick is not None:
+        _claim_tick(tick, sender, headers)
+    if HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
         return
     task = _enqueue_task(sender)
     if task is None or not isinstance(body, tuple | list) or len(body) < 2:
@@ -69,6 +79,19 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
         headers[HEADER_DUPLICATE_OF] = holder_id
     elif key is not None:
         headers[HEADER_QUEUED] = 1
+
+
+def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:
+    """A beat send of a SingletonTask: take its schedule slot, or mark it a duplicate."""
+    task = tick[0].tasks.get(name)
+    if not isinstance(task, SingletonTask) or not headers.get("id"):
+        return
+    _, entry, slot, _ = tick
+    headers[HEADER_TICK] = f"{entry.name}:{slot}"
+    headers[HEADER_BEAT] = f"{socket.gethostname()}:{os.getpid()}"
+    first = claim_tick(tick, task, headers["id"])
+    if first is not None:
+        headers[HEADER_DUPLICATE_OF] = first
 
 
 def _enqueue_task(name: Any) -> SingletonTask | None:

@@ -38,6 +38,18 @@ if os.environ.get("DLOCK_TEST_VISIBILITY"):
         "visibility_timeout": float(os.environ["DLOCK_TEST_VISIBILITY"])
     }
 
+if os.environ.get("DLOCK_TEST_BEAT"):
+    # "name:seconds-the-body-takes", one entry sent every second.
+    beat_name, beat_secs = os.environ["DLOCK_TEST_BEAT"].split(":")
+    app.conf.beat_schedule = {
+        "every-second": {
+            "task": "tests.worker_app.ticked",
+            "schedule": 1.0,
+            "args": (beat_name, float(beat_secs)),
+        }
+    }
+    app.conf.dlock_beat_ttl = float(os.environ.get("DLOCK_TEST_BEAT_TTL", "3"))
+
 _journal: redis.Redis | None = None
 
 
@@ -174,6 +186,14 @@ def enqueued_flaky(self: Any, name: str, countdown: float = 2.0) -> int:
     if self.request.retries == 0:
         raise self.retry(countdown=countdown)
     return int(self.request.retries)
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=3)
+def ticked(self: Any, name: str, secs: float = 0.0) -> str:
+    tick = getattr(self.request, "dlock_tick", None)
+    sender = getattr(self.request, "dlock_beat", None)
+    _body(self, name, secs, tick=tick, beat=sender)
+    return name
 
 
 @app.task(base=SingletonTask, bind=True)

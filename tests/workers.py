@@ -161,6 +161,58 @@ class Worker:
         self.process.wait()
 
 
+class Beat:
+    """One ``celery beat`` process with its own schedule file."""
+
+    def __init__(self, env: dict[str, str], *, name: str, scheduler: str | None = None) -> None:
+        self.env = env
+        self.name = name
+        self.scheduler = scheduler
+        self.directory = Path(tempfile.mkdtemp(prefix=f"dlock-beat-{name}-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def logfile(self) -> Path:
+        return self.directory / "beat.log"
+
+    def start(self) -> Beat:
+        args = [
+            sys.executable, "-m", "celery", "-A", "tests.worker_app", "beat",
+            "-s", str(self.directory / "schedule"), "--pidfile=", "-l", "INFO",
+            "--logfile", str(self.logfile), "--max-interval", "1",
+            *(["-S", self.scheduler] if self.scheduler else []),
+        ]  # fmt: skip
+        env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
+        self.process = subprocess.Popen(args, env=env, cwd=self.directory, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process = None
+
+
 def use_lock_urls(app: Any, urls: list[str]) -> None:
     """Point this (test) process's copy of the app at ``urls`` and forget cached managers."""
     app.conf.dlock_urls = urls

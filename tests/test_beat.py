@@ -1,0 +1,149 @@
+"""Beat with real ``celery beat`` processes, a real worker and real Redis (single instance).
+
+Each execution of the scheduled task journals its schedule slot (the ``dlock_tick`` header)
+and the beat process that sent it (``dlock_beat``); counting per slot shows what ran.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.celery_fixtures import Mode
+from tests.workers import Beat, Journal, Worker, intervals, overlaps
+
+pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
+
+
+@pytest.fixture
+def single_only(mode: Mode) -> None:
+    if mode.name != "single":
+        pytest.skip("beat behaviour does not depend on the lock topology; shown on one Redis")
+
+
+@pytest.fixture
+def beats(mode: Mode, journal: Journal) -> Iterator[Any]:
+    started: list[Beat] = []
+
+    def start(name: str, body: str, scheduler: str | None = None) -> Beat:
+        env = {**mode.env, "DLOCK_TEST_BEAT": body, "DLOCK_TEST_BEAT_TTL": "3"}
+        beat = Beat(env, name=name, scheduler=scheduler).start()
+        started.append(beat)
+        return beat
+
+    yield start
+    for beat in started:
+        beat.stop()
+
+
+def run_for(seconds: float) -> None:
+    time.sleep(seconds)  # the span of schedule under test, not synchronisation
+
+
+def settle(journal: Journal, name: str) -> list[dict[str, Any]]:
+    """Wait until every execution that started has ended."""
+    journal.wait(
+        lambda es: (
+            len([e for e in es if e["event"] == "start" and e.get("name") == name])
+            == len([e for e in es if e["event"] == "end" and e.get("name") == name])
+        ),
+        15,
+        f"{name} executions to end",
+    )
+    return journal.select("start", name=name)
+
+
+def slot_of(entry: dict[str, Any]) -> int:
+    return int(entry["tick"].rsplit(":", 1)[1])
+
+
+def test_two_stock_beats_run_every_tick_exactly_once(
+    single_only: None, wa: Any, worker: Worker, journal: Journal, beats: Any
+) -> None:
+    first = beats("stock-1", "ticks:0")
+    second = beats("stock-2", "ticks:0")
+    run_for(20)
+    first.stop()
+    second.stop()
+    starts = settle(journal, "ticks")
+    per_slot = Counter(slot_of(s) for s in starts)
+    assert per_slot, "nothing ran"
+    twice = {slot: n for slot, n in per_slot.items() if n > 1}
+    assert not twice, f"slots that ran more than once: {twice}"
+    low, high = min(per_slot), max(per_slot)
+    missing = [slot for slot in range(low, high + 1) if slot not in per_slot]
+    assert not missing, f"slots skipped: {missing}"
+    assert high - low >= 15, f"only {high - low + 1} slots in 20 s"
+    # Both beats did send every tick: the worker dropped the second copy of each.
+    senders = {s["beat"] for s in starts}
+    dropped = journal.select("contended", policy="drop")
+    assert len(senders) == 2 or len(dropped) >= 15, (senders, len(dropped))
+    assert len(dropped) >= 10
+
+
+def test_leader_elected_beats_send_from_one_and_fail_over(
+    single_only: None, wa: Any, worker: Worker, journal: Journal, beats: Any
+) -> None:
+    one = beats("leader-1", "led:0", scheduler="dlock")
+    two = beats("leader-2", "led:0", scheduler="celery_dlock.beat:LeaderScheduler")
+    run_for(6)
+    before = journal.select("start", name="led")
+    senders = {s["beat"] for s in before}
+    assert len(before) >= 3
+    assert len(senders) == 1, f"more than one beat sent: {senders}"
+    assert journal.select("contended", policy="drop") == [], "a follower sent a tick"
+    leader_pid = int(senders.pop().rsplit(":", 1)[1])
+    leader, follower = (one, two) if one.pid == leader_pid else (two, one)
+    assert leader.pid == leader_pid
+    follower_pid = follower.pid
+    leader.kill()
+    killed_at = time.monotonic()
+    run_for(8)
+    follower.stop()
+    starts = settle(journal, "led")
+    after = [s for s in starts if s["t"] > killed_at]
+    assert after, "no tick ran after the leader died"
+    assert {int(s["beat"].rsplit(":", 1)[1]) for s in after} == {follower_pid}
+    resumed = after[0]["t"] - killed_at
+    assert resumed < 3 + 1 + 1.0, f"ticks resumed {resumed:.2f} s after the leader died (ttl 3 s)"
+    per_slot = Counter(slot_of(s) for s in starts)
+    assert all(n == 1 for n in per_slot.values()), per_slot
+
+
+def test_a_slow_job_never_overlaps_itself(
+    single_only: None, wa: Any, worker: Worker, journal: Journal, beats: Any
+) -> None:
+    beat = beats("slow", "slow:2.5")
+    run_for(8)
+    beat.stop()
+    settle(journal, "slow")
+    spans = intervals(journal.entries(), name="slow")
+    assert len(spans) >= 2
+    assert overlaps(spans) == []
+    # Ticks that came while it ran were dropped, naming the run that held the key.
+    assert len(journal.select("contended", policy="drop")) >= 3
+
+
+def test_slots_and_the_scheduler_alias(tmp_path: Any) -> None:
+    from datetime import timedelta
+
+    from celery import Celery
+    from celery.beat import ScheduleEntry, Service
+    from celery.schedules import crontab, schedule
+
+    from celery_dlock.beat import LeaderScheduler, tick_key, tick_slot
+
+    app = Celery("slots", set_as_current=False)
+    every_10 = ScheduleEntry(name="e", task="t", schedule=schedule(timedelta(seconds=10)), app=app)
+    assert tick_slot(every_10, now=1005.0) == (100, 10.0)
+    assert tick_slot(every_10, now=1009.999) == (100, 10.0)
+    assert tick_slot(every_10, now=1010.0) == (101, 10.0)
+    cron = ScheduleEntry(name="c", task="t", schedule=crontab(minute="*/5"), app=app)
+    assert tick_slot(cron, now=125.0) == (2, 60.0)
+    assert tick_key("e", 100, 10.0) == "beat-tick:e:1970-01-01T00:16:40"
+    service = Service(app, scheduler_cls="dlock", schedule_filename=str(tmp_path / "s"))
+    assert isinstance(service.get_scheduler(lazy=True), LeaderScheduler)
