@@ -5,6 +5,6 @@
 set -euo pipefail
 . "$(dirname "$0")/_venv.sh" "test"
 echo "== ruff"; ruff check . && ruff format --check .
-echo "== mypy (strict)"; mypy celery_dlock
+echo "== mypy (strict)"; mypy celery_dlock example_project
 echo "== docs (mkdocs --strict)"; mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 echo "== pytest"; python -m pytest "$@"

@@ -1,15 +1,15 @@
-"""The README's first command runs this demo: it must keep working and tell the truth."""
+"""The tour of lock() (python -m example_project.lock_tour) keeps working and tells the truth."""
 
 from __future__ import annotations
 
 import pytest
 
-from example_project.__main__ import main
+from example_project.lock_tour import main
 
 
 @pytest.mark.local_redis
 @pytest.mark.parametrize("argv", [[], ["--redlock"]], ids=["single", "redlock5"])
-def test_demo_runs_and_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_lock_tour_runs_and_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "task-B refused at once" in out
