@@ -3,9 +3,10 @@
 Two independent mechanisms, usable alone or together:
 
 * **Once per tick** (any scheduler class). In a beat process, every send of a scheduled
-  :class:`~celery_dlock.SingletonTask` takes a *tick key* naming the schedule entry and its
-  slot — the entry's period (or the minute, for crontab and solar schedules) that the send falls
-  in — kept until the slot ends. A second send for the same slot, from another beat process or a
+  :class:`~celery_dlock.SingletonTask` takes a *tick key* naming the app, the schedule entry
+  and its slot — the period the send falls in for interval schedules, the scheduled fire time
+  for crontabs (so a catch-up send maps to the run it makes up for), the minute otherwise —
+  kept until the slot ends. A second send for the same slot, from another beat process or a
   restarted one, is marked as a duplicate and dropped by the worker without running the body,
   however late it arrives. The slot travels in the ``dlock_tick`` message header.
   It hooks the scheduler *instance* when beat starts (``beat_init``), so it works with the stock
@@ -15,9 +16,9 @@ Two independent mechanisms, usable alone or together:
 * **A leader-elected scheduler**, ``celery -A proj beat -S celery_dlock.beat:LeaderScheduler``
   (or ``-S dlock``): any number of beat processes run, only the holder of the leader lease
   sends. Followers try to take the lease each time the leader's would expire, so they take over
-  within about one ``dlock_beat_ttl`` of the leader dying. The leader checks its lease right
-  before every send, and its view of the lease ends before Redis's (seed 000), so a leader that
-  lost it stops sending before a follower can start.
+  within about one ``dlock_beat_ttl`` of the leader dying. The leader sends only while at least
+  a third of its lease is left, and its view of the lease ends before Redis's (seed 000), so a
+  leader that lost it stops sending before a follower can start.
 
 Settings: ``dlock_beat_ttl`` (leader lease, seconds, default 10), ``dlock_beat_key`` (leader
 lock key, default ``"beat-leader:<app main name>"``).
@@ -25,12 +26,15 @@ lock key, default ``"beat-leader:<app main name>"``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from celery.beat import PersistentScheduler, ScheduleEntry
@@ -39,35 +43,84 @@ from celery.signals import beat_init
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
+from celery_dlock.task import HEADER_DUPLICATE_OF
 
 log = logging.getLogger("celery_dlock.beat")
 
 HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
 HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
-#: Slot length for schedules without a fixed period (crontab, solar): their finest grain.
+#: Slot length for schedules that are neither intervals nor crontabs (solar): a minute.
 MINUTE = 60.0
 #: A tick key outlives its slot by this much, so a send just past the boundary from a beat
 #: whose clock is a little behind still finds it.
 TICK_GRACE = 1.0
+#: How far back to look for a crontab's latest fire time, widening until one is found.
+_LOOKBACK = (60.0, 3600.0, 86400.0, 32 * 86400.0, 367 * 86400.0)
+_MAX_STEPS = 2000
 
-_current = threading.local()  # the entry the beat thread is sending right now
+_current = threading.local()  # the send under way in the beat thread
 
 
-def tick_slot(entry: ScheduleEntry, now: float | None = None) -> tuple[int, float]:
-    """The slot a send of ``entry`` at ``now`` (wall seconds) belongs to: (index, length)."""
-    run_every = getattr(entry.schedule, "run_every", None)
-    period = run_every.total_seconds() if run_every is not None else MINUTE
-    if period <= 0:
-        period = MINUTE
+@dataclass(frozen=True)
+class Tick:
+    """One send of one schedule entry: the slot it belongs to."""
+
+    app: Any
+    entry: ScheduleEntry
+    index: int  # slot number, for the message header
+    start: float  # wall-clock seconds: the scheduled time this send is for
+    end: float  # when the next one is due
+
+
+def tick_slot(entry: ScheduleEntry, now: float | None = None) -> tuple[int, float, float]:
+    """The slot a send of ``entry`` at ``now`` (wall seconds) belongs to: (index, start, end).
+
+    Interval schedules: the period that ``now`` falls in, on a grid shared by every beat
+    (``floor(now / period)``). Crontabs: the latest fire time not after ``now`` up to the next
+    one, so a catch-up send of a missed run (a restarted beat, a new leader working from an
+    old schedule file) maps to the run it makes up for. Anything else: the minute.
+    """
     now = time.time() if now is None else now
-    return math.floor(now / period), period
+    schedule = entry.schedule
+    run_every = getattr(schedule, "run_every", None)
+    period = run_every.total_seconds() if run_every is not None else 0.0
+    if period > 0:
+        index = math.floor(now / period)
+        return index, index * period, (index + 1) * period
+    window = _crontab_window(schedule, now)
+    if window is not None:
+        start, end = window
+        return math.floor(start / MINUTE), start, end
+    index = math.floor(now / MINUTE)
+    return index, index * MINUTE, (index + 1) * MINUTE
 
 
-Tick = tuple[Any, ScheduleEntry, int, float]  # app, entry, slot index, slot length
+def _crontab_window(schedule: Any, now: float) -> tuple[float, float] | None:
+    """(latest fire time <= now, the fire time after it) of a crontab-like schedule."""
+    remaining_delta = getattr(schedule, "remaining_delta", None)
+    if remaining_delta is None:
+        return None
+
+    def next_after(t: float) -> float:
+        last, delta, _ = remaining_delta(datetime.fromtimestamp(t, tz=timezone.utc))
+        fire: datetime = last + delta
+        return fire.timestamp()
+
+    for lookback in _LOOKBACK:
+        fire = next_after(now - lookback)
+        if fire > now:
+            continue
+        for _ in range(_MAX_STEPS):
+            following = next_after(fire)
+            if following > now:
+                return fire, following
+            fire = following
+        return None
+    return None
 
 
 def current_tick() -> Tick | None:
-    """The beat send under way in this thread (app, entry, slot), or None outside one."""
+    """The beat send under way in this thread, or None outside one."""
     found: Tick | None = getattr(_current, "tick", None)
     return found
 
@@ -79,12 +132,21 @@ def _wrap_apply_async(scheduler: Any) -> None:
     original = scheduler.apply_async
 
     def apply_async(entry: ScheduleEntry, *args: Any, **kwargs: Any) -> Any:
-        slot, period = tick_slot(entry)
-        _current.tick = (scheduler.app, entry, slot, period)
+        index, start, end = tick_slot(entry)
+        _current.tick = Tick(scheduler.app, entry, index, start, end)
+        _current.claims = []
         try:
             return original(entry, *args, **kwargs)
+        except BaseException:
+            # Not sent (the broker is down, say): give the slot back, or the other beats'
+            # sends of it would be dropped as duplicates of a message that never went out.
+            for manager, key, holder in _current.claims:
+                with contextlib.suppress(Exception):
+                    manager.release_by_holder(key, holder)
+            raise
         finally:
             _current.tick = None
+            _current.claims = []
 
     scheduler.apply_async = apply_async
     scheduler._dlock_wrapped = True
@@ -97,33 +159,63 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
         _wrap_apply_async(scheduler)
 
 
-def tick_key(entry_name: str, slot: int, period: float) -> str:
-    """The key one slot of one schedule entry holds: entry name and the slot's start time."""
-    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(slot * period))
-    return f"beat-tick:{entry_name}:{start}"
+def tick_key(app_name: str, entry_name: str, start: float) -> str:
+    """The key one slot of one schedule entry holds: app, entry and the slot's start time."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start))
+    millis = round((start % 1) * 1000)
+    if millis:
+        stamp += f".{millis:03d}"
+    return f"beat-tick:{app_name}:{entry_name}:{stamp}"
+
+
+def mark_send(task: Any, task_id: str, headers: dict[str, Any]) -> bool:
+    """In a beat send of a SingletonTask, claim its slot once and label the message.
+
+    Sets the ``dlock_tick`` and ``dlock_beat`` headers, and ``dlock_duplicate_of`` when another
+    send already has this slot; returns whether it is such a duplicate. Outside a beat send,
+    or when this message was already labelled, changes nothing.
+    """
+    tick = current_tick()
+    if tick is None or HEADER_TICK in headers:
+        return bool(headers.get(HEADER_DUPLICATE_OF))
+    headers[HEADER_TICK] = f"{tick.entry.name}:{tick.index}"
+    headers[HEADER_BEAT] = f"{socket.gethostname()}:{os.getpid()}"
+    first = claim_tick(tick, task, task_id)
+    if first is None:
+        return False
+    headers[HEADER_DUPLICATE_OF] = first
+    return True
 
 
 def claim_tick(tick: Tick, task: Any, task_id: str) -> str | None:
     """Take the tick key of a beat send; the id of the send that already has it, or None.
 
-    Called in the beat process while a scheduled SingletonTask is published. A send that
-    cannot reach Redis goes out unmarked (the execution-time lock still keeps its body from
-    overlapping another).
+    A send that cannot reach Redis, or that meets contenders none of which got a majority
+    (Redlock), goes out unmarked: the execution-time lock still keeps its body from
+    overlapping another.
     """
-    _, entry, slot, period = tick
-    key = tick_key(str(entry.name or entry.task), slot, period)
-    ttl = (slot + 1) * period - time.time() + TICK_GRACE
+    entry = tick.entry
+    key = tick_key(str(tick.app.main or "celery"), str(entry.name or entry.task), tick.start)
+    ttl = max(tick.end - time.time() + TICK_GRACE, 0.1)
     manager = task._dlock().manager
     try:
-        claimed = manager.acquire(key, ttl=max(ttl, 0.1), holder=task_id, renew=False)
+        # The key names its slot and is never taken twice: its fence counter has no use
+        # beyond the key's own life.
+        claimed = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, fence_retention=ttl)
     except LockContended as exc:
         first = exc.holder.holder if exc.holder else None
-        log.info("beat: %s for slot %s was already sent as %s", entry.name, slot, first)
-        return first or "?"
+        if first is None:
+            log.warning("beat: no majority for the tick of %s; sending it unmarked", entry.name)
+            return None
+        log.info("beat: %s for %s was already sent as %s", entry.name, key, first)
+        return first
     except LockUnavailable as exc:
         log.warning("beat: cannot record the tick of %s: %s", entry.name, exc)
         return None
     manager.forget(claimed)  # kept until the slot ends, never released
+    claims = getattr(_current, "claims", None)
+    if claims is not None:
+        claims.append((manager, key, task_id))
     return None
 
 
@@ -184,10 +276,14 @@ class LeaderScheduler(PersistentScheduler):
         return interval
 
     def apply_async(self, entry: ScheduleEntry, *args: Any, **kwargs: Any) -> Any:
-        # Right before the send: a lease that ran out, even unnoticed, means someone else
-        # may lead now, so this beat must not send.
-        if not self.is_leader:
-            log.warning("beat: not sending %s: not the leader any more", entry.name)
+        # Right before the send: the lease must outlast the send itself (tick claim, queued
+        # lock, the broker's publish and its retries), or a follower could already lead when
+        # the message goes out. Renewals keep it above two thirds of the ttl; a third means
+        # they have been failing.
+        lease = self._lease
+        _, ttl = self._settings()
+        if lease is None or lease.lost or lease.valid_for < ttl / 3:
+            log.warning("beat: not sending %s: the leader lease is lost or running out", entry.name)
             return None
         return super().apply_async(entry, *args, **kwargs)
 

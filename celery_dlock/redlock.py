@@ -95,6 +95,7 @@ class _Request:
     takeover: str  # task id whose queued lock may be taken over, or ""
     queued: bool
     sender: Any
+    retention_ms: int | None = None  # how long the fence counter is kept; None = the setting
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class LockManager:
         takeover: str | None = None,
         queued: bool = False,
         sender: Any = None,
+        fence_retention: float | None = None,
     ) -> Lease:
         """Take ``key`` for ``ttl`` seconds, renewed in the background until released.
 
@@ -156,7 +158,8 @@ class LockManager:
 
         ``takeover`` (a task id) also succeeds when the key holds that task's *queued* lock;
         ``queued=True`` writes such a lock (enqueue-time mode). ``sender`` is passed to the
-        signals (the task, when a task holds the lock).
+        signals (the task, when a task holds the lock). ``fence_retention`` (seconds) overrides
+        how long this key's fence counter is kept, for one-shot keys that need no history.
         """
         key = check_key(key)
         factor = self.settings.drift_factor
@@ -166,6 +169,8 @@ class LockManager:
             wait = check_seconds("wait", wait, allow_zero=True)
         if max_hold is not None:
             max_hold = check_seconds("max_hold", max_hold)
+        if fence_retention is not None:
+            fence_retention = check_seconds("fence_retention", fence_retention)
         if holder is not None and not isinstance(holder, str):
             raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
         return self.acquire_checked(
@@ -179,6 +184,7 @@ class LockManager:
             takeover=takeover,
             queued=queued,
             sender=sender,
+            fence_retention=fence_retention,
         )
 
     def acquire_checked(
@@ -194,9 +200,13 @@ class LockManager:
         takeover: str | None = None,
         queued: bool = False,
         sender: Any = None,
+        fence_retention: float | None = None,
     ) -> Lease:
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
-        request = _Request(key, ttl, holder, interval, max_hold, takeover or "", queued, sender)
+        retention = None if fence_retention is None else _ms(fence_retention)
+        request = _Request(
+            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention
+        )
         return self._acquire(request, wait, on_lost)
 
     def _acquire(
@@ -264,12 +274,13 @@ class LockManager:
         head = value_head(request.holder, queued=request.queued)
         started = time.monotonic()
         floor = "0" if self.redlock else "1"
+        retention = request.retention_ms or self._retention_ms
         try:
             replies = run_script(
                 self.nodes,
                 "acquire",
                 (keys[0], keys[1], void_key(keys[0], head)),
-                (head, _ms(ttl), self._retention_ms, request.takeover, floor),
+                (head, _ms(ttl), retention, request.takeover, floor),
                 min(self.settings.node_timeout, ttl),
             )
         except BaseException:

@@ -65,6 +65,7 @@ HEADER_REQUEUES = "dlock_requeues"  # requeues of a duplicate so far
 HEADER_UNAVAILABLE = "dlock_unavailable"  # requeues because Redis was unreachable so far
 HEADER_QUEUED = "dlock_queued"  # the message holds a queued lock (enqueue-time mode)
 HEADER_DUPLICATE_OF = "dlock_duplicate_of"  # published while this task id held the key
+HEADER_REDELIVERED = "dlock_redelivered"  # requeues of a redelivered copy of a running task
 
 LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
 
@@ -182,6 +183,12 @@ class SingletonTask(_TaskBase):
                 return self._contended(key, exc, args, kwargs)
             except LockUnavailable as exc:
                 return self._unavailable(key, exc, args, kwargs)
+            if getattr(request, HEADER_REDELIVERED, None) and self._finished(request.id or ""):
+                # A redelivered copy that waited for the first execution: that one finished.
+                lease.release(wait=False)
+                log.info("task %s[%s]: finished already; copy skipped", self.name, request.id)
+                self._signal(key, None, "drop")
+                raise Ignore()
             # Kept per thread and task, not on ``self.request``: Celery may push a fresh request
             # context inside ``__call__`` (eager runs on older versions).
             stack = _lease_stack(self)
@@ -209,6 +216,15 @@ class SingletonTask(_TaskBase):
         finally:
             if run is not None:
                 interrupt.stop(run)
+
+    def _finished(self, task_id: str) -> bool:
+        """Whether the result backend holds a final state for ``task_id`` (False if unknown)."""
+        if self.ignore_result:
+            return False
+        try:
+            return str(self.AsyncResult(task_id).state) in states.READY_STATES
+        except Exception:  # no result backend, or it is down: cannot tell
+            return False
 
     def _on_lost_handler(self, run: Any) -> Callable[[Lease, LockLost], None] | None:
         policy = self.on_lock_lost
@@ -259,17 +275,13 @@ class SingletonTask(_TaskBase):
         if holder is not None and holder.holder == request.id and not holder.queued:
             # Held by another execution of this very task id.
             delivery = request.delivery_info or {}
-            if delivery.get("redelivered"):
-                # A redelivered copy (visibility timeout, late acks) of a task still running:
-                # end quietly, writing no result over the running one's.
-                log.info(
-                    "task %s[%s]: a redelivered copy while the first still holds %r; skipped",
-                    self.name,
-                    request.id,
-                    key,
-                )
-                self._signal(key, holder, "drop")
-                raise Ignore()
+            if delivery.get("redelivered") or getattr(request, HEADER_REDELIVERED, None):
+                # Another delivery of a task whose execution holds the key: still running (a
+                # visibility timeout passed with late acks), or dead with its lease not yet
+                # expired (a worker lost with reject_on_worker_lost). Come back when that lease
+                # could have run out; then run, unless the result says the first finished.
+                wait = exc.retry_after if exc.retry_after is not None else self.lock_requeue_delay
+                return self._requeue(HEADER_REDELIVERED, exc, args, kwargs, key=key, delay=wait)
             # A retry that found its predecessor's key not yet released: come back soon.
             return self._requeue(HEADER_REQUEUES, exc, args, kwargs, key=key)
         policy = self.on_duplicate
@@ -324,15 +336,26 @@ class SingletonTask(_TaskBase):
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         key: str | None = None,
+        delay: float | None = None,
     ) -> Any:
-        """Publish this same task (same id, same options) again after a jittered backoff, and
-        end this execution without a result; after ``lock_requeue_max`` requeues, fail."""
+        """Publish this same task (same id, same options) again after a jittered backoff (or
+        ``delay``), and end this execution without a result; after ``lock_requeue_max``
+        requeues, fail (a redelivered copy ends quietly instead: the first may still run)."""
         request = self.request
         headers = dict(request.headers or {})
         done = int(headers.get(header, 0))
         if done >= self.lock_requeue_max or request.is_eager:
+            if header == HEADER_REDELIVERED:
+                log.warning(
+                    "task %s[%s]: redelivered copy given up after %d requeues: %s",
+                    *(self.name, request.id, done, exc),
+                )
+                raise Ignore()
             raise exc
-        delay = requeue_delay(done, self.lock_requeue_delay, self.lock_requeue_max_delay)
+        if delay is None:
+            delay = requeue_delay(done, self.lock_requeue_delay, self.lock_requeue_max_delay)
+        else:
+            delay = min(delay + 0.05, self.lock_requeue_max_delay)
         if key is not None and isinstance(exc, LockContended):
             self._signal(key, exc.holder, "requeue", retry_in=delay)
         headers[header] = done + 1
@@ -373,6 +396,15 @@ class SingletonTask(_TaskBase):
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         task_id = task_id or uuid()
+        from celery_dlock.beat import mark_send  # beat imports this module
+
+        headers = dict(headers)
+        if mark_send(self, task_id, headers):
+            # A beat send for a slot already sent: no queued lock; the worker drops it.
+            options["headers"] = headers
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
         key, holder_id = queue_lock(self, args or (), kwargs or {}, task_id, options)
         if holder_id is not None:
             return self.AsyncResult(holder_id)

@@ -19,14 +19,13 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 from __future__ import annotations
 
 import logging
-import os
-import socket
+import signal
 import weakref
 from typing import Any
 
 from celery.signals import before_task_publish, task_revoked, worker_process_shutdown
 
-from celery_dlock.beat import HEADER_BEAT, HEADER_TICK, Tick, claim_tick, current_tick
+from celery_dlock.beat import Tick, current_tick, mark_send
 from celery_dlock.renewal import watchdog
 from celery_dlock.task import HEADER_DUPLICATE_OF, HEADER_QUEUED, SingletonTask, queue_lock
 
@@ -44,9 +43,24 @@ def register_enqueue_task(name: str, app: Any) -> None:
         _enqueue_owner[name] = weakref.ref(app)
 
 
+#: Signals that end a terminated task's process at once. Others (SIGUSR1 to ask a body to
+#: clean up, say) leave it running, holding its lease; it releases the key itself.
+FATAL = frozenset(
+    int(getattr(signal, name)) for name in ("SIGKILL", "SIGTERM", "SIGQUIT", "SIGINT")
+)
+
+
 @task_revoked.connect
-def release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+def release_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    signum: Any = None,
+    **_: Any,
+) -> None:
     if not isinstance(sender, SingletonTask) or request is None or not request.id:
+        return
+    if terminated and signum is not None and _signal_number(signum) not in FATAL:
         return
     try:
         key = sender.lock_key_for(request.args or (), request.kwargs or {})
@@ -54,6 +68,16 @@ def release_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
             log.info("released %r of revoked task %s[%s]", key, sender.name, request.id)
     except Exception:  # never break the worker's revoke handling
         log.exception("could not release the lock of revoked task %s", request.id)
+
+
+def _signal_number(signum: Any) -> int | None:
+    try:
+        return int(signum)
+    except (TypeError, ValueError):  # a name, as revoke(signal="SIGUSR1") passes it along
+        found = getattr(signal, str(signum).upper(), None)
+        if found is None:
+            found = getattr(signal, "SIG" + str(signum).upper(), None)
+        return None if found is None else int(found)
 
 
 @before_task_publish.connect
@@ -83,15 +107,9 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
 
 def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:
     """A beat send of a SingletonTask: take its schedule slot, or mark it a duplicate."""
-    task = tick[0].tasks.get(name)
-    if not isinstance(task, SingletonTask) or not headers.get("id"):
-        return
-    _, entry, slot, _ = tick
-    headers[HEADER_TICK] = f"{entry.name}:{slot}"
-    headers[HEADER_BEAT] = f"{socket.gethostname()}:{os.getpid()}"
-    first = claim_tick(tick, task, headers["id"])
-    if first is not None:
-        headers[HEADER_DUPLICATE_OF] = first
+    task = tick.app.tasks.get(name)
+    if isinstance(task, SingletonTask) and headers.get("id"):
+        mark_send(task, headers["id"], headers)
 
 
 def _enqueue_task(name: Any) -> SingletonTask | None:

@@ -12,11 +12,30 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "example_project.celery_app"
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (and SIGTERM) back until the block is done, then deliver it.
+
+    Python runs signal handlers in the main thread between bytecodes, so a Ctrl-C could land
+    inside ``Popen`` after the fork, before the demo records the child it must stop.
+    """
+    caught: list[int] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda n, _f: caught.append(n)) for signum in wanted}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            os.kill(os.getpid(), caught[0])
 
 
 class Process:
@@ -38,12 +57,16 @@ class Process:
 
     def start(self) -> Process:
         env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
-        self.popen = subprocess.Popen(
+        with _interrupts_deferred():
+            self.popen = self._spawn(env)
+        return self
+
+    def _spawn(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", APP, *self.args, "--logfile", str(self.logfile)],
             env=env, cwd=self.logfile.parent, start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        return self
 
     def log(self, lines: int = 30) -> str:
         if not self.logfile.exists():

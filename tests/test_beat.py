@@ -128,22 +128,12 @@ def test_a_slow_job_never_overlaps_itself(
     assert len(journal.select("contended", policy="drop")) >= 3
 
 
-def test_slots_and_the_scheduler_alias(tmp_path: Any) -> None:
-    from datetime import timedelta
-
+def test_the_scheduler_alias(tmp_path: Any) -> None:
     from celery import Celery
-    from celery.beat import ScheduleEntry, Service
-    from celery.schedules import crontab, schedule
+    from celery.beat import Service
 
-    from celery_dlock.beat import LeaderScheduler, tick_key, tick_slot
+    from celery_dlock.beat import LeaderScheduler
 
-    app = Celery("slots", set_as_current=False)
-    every_10 = ScheduleEntry(name="e", task="t", schedule=schedule(timedelta(seconds=10)), app=app)
-    assert tick_slot(every_10, now=1005.0) == (100, 10.0)
-    assert tick_slot(every_10, now=1009.999) == (100, 10.0)
-    assert tick_slot(every_10, now=1010.0) == (101, 10.0)
-    cron = ScheduleEntry(name="c", task="t", schedule=crontab(minute="*/5"), app=app)
-    assert tick_slot(cron, now=125.0) == (2, 60.0)
-    assert tick_key("e", 100, 10.0) == "beat-tick:e:1970-01-01T00:16:40"
+    app = Celery("alias", set_as_current=False)
     service = Service(app, scheduler_cls="dlock", schedule_filename=str(tmp_path / "s"))
     assert isinstance(service.get_scheduler(lazy=True), LeaderScheduler)

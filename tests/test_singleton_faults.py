@@ -3,6 +3,8 @@ threads and solo pools: each test runs its own real worker on its own queue."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -57,11 +59,32 @@ def test_a_redelivered_copy_does_not_run_while_the_first_holds(
     time.sleep(2.5)  # let the message pass its visibility timeout while it runs
     # A second worker restores unacked messages older than the timeout as it starts.
     spawn("second", "vt_q", concurrency=1, env=late)
-    skipped = journal.wait_for("contended", id=result.id, timeout=15)
-    assert skipped[0]["policy"] == "drop"
+    # The copy comes back while the first holds the key, and is skipped once it finished.
+    waited = journal.wait_for("contended", id=result.id, policy="requeue", timeout=15)
+    assert waited[0]["holder"] == result.id
     assert result.get(timeout=15) == "redelivered"
+    journal.wait_for("contended", id=result.id, policy="drop", timeout=15)
     starts = journal.select("start", name="redelivered")
     assert [s["id"] for s in starts] == [result.id]
+
+
+def test_a_task_whose_pool_process_died_runs_again_once_its_lease_expires(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    # Late acks + reject_on_worker_lost: the worker puts the message back at once, while the
+    # dead process's lease still holds the key. The copy must wait for it, not vanish.
+    env = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_REJECT_ON_LOST": "1"}
+    spawn("lostchild", "lost_q", concurrency=1, env=env)
+    result = wa.drop_task.apply_async(("lostchild", 2.0), queue="lost_q")
+    first = journal.wait_for("start", name="lostchild")[0]
+    os.kill(first["pid"], signal.SIGKILL)  # the pool process only; its worker lives on
+    assert result.get(timeout=30) == "lostchild"
+    starts = journal.select("start", name="lostchild")
+    assert [s["id"] for s in starts] == [result.id, result.id]
+    # Not before the dead process's lease (ttl 3 s, taken just before the first start) ran
+    # out; the worker itself may take a few seconds to notice the lost process.
+    assert 3.0 - 0.2 < starts[1]["t"] - first["t"] < 15.0
+    assert len(journal.select("end", name="lostchild")) == 1
 
 
 def test_redis_unreachable_at_start_requeues_and_runs_once_it_is_back(

@@ -30,6 +30,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
     task_acks_late=os.environ.get("DLOCK_TEST_ACKS_LATE") == "1",
+    task_reject_on_worker_lost=os.environ.get("DLOCK_TEST_REJECT_ON_LOST") == "1",
     worker_hijack_root_logger=False,
     result_expires=600,
 )
