@@ -19,10 +19,11 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from celery_dlock.config import check_key, check_renew_interval, check_seconds, check_ttl
-from celery_dlock.errors import ConfigError
+from celery_dlock.errors import ConfigError, LockContended
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for
+from celery_dlock.signals import lock_contended
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,7 +49,19 @@ class LockGuard:
 
     def acquire(self) -> Lease:
         """Take the lease now (the arguments were checked when the lock was defined)."""
-        return self._manager.acquire_checked(self._key, self._ttl, self._wait, **self._options)
+        try:
+            return self._manager.acquire_checked(self._key, self._ttl, self._wait, **self._options)
+        except LockContended as exc:
+            lock_contended.send(
+                sender=None,
+                key=self._key,
+                token=None,
+                task_id=self._options.get("holder"),
+                holder=exc.holder,
+                policy="raise" if not self._wait else "wait",
+                retry_in=None,
+            )
+            raise
 
     def __enter__(self) -> Lease:
         lease = self.acquire()

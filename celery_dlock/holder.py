@@ -8,6 +8,7 @@ The value stored under a lock key is one line of JSON, readable with ``redis-cli
   compare the whole value, so only this acquisition can extend or delete it.
 * ``holder`` — who holds it for release-by-holder: the Celery task id, or ``null``.
 * ``queued`` — present (``true``) while an enqueued message holds the key (enqueue-time mode).
+* ``task`` — present when a task holds it: the task's name, for the operator command.
 * ``host``, ``pid``, ``since`` (wall-clock milliseconds, for display only), and ``fence`` —
   the fencing token, which the acquire script appends (the client sends everything before it).
 """
@@ -38,6 +39,7 @@ class Holder:
     since: float  # wall-clock seconds; display only, never used for validity
     fence: int
     queued: bool = False  # held by an enqueued message, not yet by a running execution
+    task: str | None = None  # the task's name, when a task holds it
 
     def describe(self) -> str:
         who = f"task {self.holder}" if self.holder else "a process"
@@ -60,6 +62,7 @@ def parse_value(raw: bytes | str | None) -> Holder | None:
             since=float(data.get("since", 0)) / 1000.0,
             fence=int(data["fence"]),
             queued=data.get("queued") is True,
+            task=None if data.get("task") is None else str(data["task"]),
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -114,7 +117,7 @@ class _Tokens:
 _tokens = _Tokens()
 
 
-def value_head(holder: str | None, *, queued: bool = False) -> str:
+def value_head(holder: str | None, *, queued: bool = False, task: str | None = None) -> str:
     """Everything of a new value up to the fencing token, with a fresh random token.
 
     The acquire script appends ``<fence>}``; the full value is ``head + str(fence) + "}"``.
@@ -124,6 +127,8 @@ def value_head(holder: str | None, *, queued: bool = False) -> str:
     who = "null" if holder is None else json.dumps(holder)
     since = int(time.time() * 1000)
     mark = ',"queued":true' if queued else ""
+    if task is not None:
+        mark += f',"task":{json.dumps(task)}'
     return f'{{"token":"{token}","holder":{who}{mark}{_process_part.get()},"since":{since},"fence":'
 
 

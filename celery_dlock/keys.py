@@ -155,6 +155,14 @@ class KeyBuilder:
                 )
             fields.append(name)
         self._check_names(fields, where)
+        if not fields and template in self._parameters():
+            # A template without fields is one constant key: almost surely not what someone
+            # who wrote an argument's name meant (celery-singleton's unique_on spelling).
+            raise ConfigError(
+                f"{where} {template!r} is a constant key, but names an argument: every call "
+                f"would share one lock. Write lock_key=['{template}'] or '{{{template}}}' to "
+                "key on that argument."
+            )
         return fields
 
     def _simple(self) -> tuple[list[str], dict[str, Any]] | None:

@@ -58,7 +58,7 @@ BATON_RETRIES = 8
 
 
 # Extend-script codes (see scripts.EXTEND).
-_EXTENDED, _ABSENT, _RETAKEN, _TAKEN = 1, 0, 2, 3
+_EXTENDED, _ABSENT, _RETAKEN, _TAKEN, _REVOKED = 1, 0, 2, 3, 4
 
 
 def _identities(value: bytes) -> tuple[Holder | None, tuple[Any, Any, Any]]:
@@ -68,6 +68,30 @@ def _identities(value: bytes) -> tuple[Holder | None, tuple[Any, Any, Any]]:
     if holder is None:
         return None, (None, None, value)
     return holder, (holder.token, holder.holder, None)
+
+
+def revoked_key(lock_key: str, token: str) -> str:
+    """The marker an operator's forced release leaves for one acquisition (its token)."""
+    return f"{lock_key}:revoked:{token}"
+
+
+def _task_name(sender: Any) -> str | None:
+    name = getattr(sender, "name", None)
+    return name if isinstance(name, str) else None
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """What the operator command shows of one key, as a majority of nodes sees it."""
+
+    key: str
+    holder: Holder | None
+    ttl_left: float | None  # seconds until the key expires, None when not held
+    fence: int | None  # the key's fencing counter (the last token handed out)
 
 
 def void_key(lock_key: str, head: str) -> str:
@@ -80,7 +104,15 @@ def _ms(seconds: float) -> int:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    text = str(exc)
+    if "HELLO must be called" in text or "NOAUTH" in text:
+        text = (
+            "the server requires a password; put it in the URL "
+            "(redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@... for an ACL user)"
+        )
+    elif "invalid username-password pair" in text or "WRONGPASS" in text:
+        text = "wrong password or user name in the URL (or the ACL user is disabled)"
+    return f"{type(exc).__name__}: {text}"
 
 
 @dataclass(frozen=True)
@@ -271,7 +303,7 @@ class LockManager:
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | _Refusal:
         """One acquisition round on every node; a lease, or why not."""
         ttl = request.ttl
-        head = value_head(request.holder, queued=request.queued)
+        head = value_head(request.holder, queued=request.queued, task=_task_name(request.sender))
         started = time.monotonic()
         floor = "0" if self.redlock else "1"
         retention = request.retention_ms or self._retention_ms
@@ -497,7 +529,7 @@ class LockManager:
         message (which takes it over). The lease itself ends here: no more renewal, no release.
         True if a quorum confirmed; False means the lease was no longer held.
         """
-        queued_head = value_head(lease.holder, queued=True)
+        queued_head = value_head(lease.holder, queued=True, task=_task_name(lease.sender))
         with lease.io_lock:
             if not lease.set_released():
                 return False
@@ -553,6 +585,85 @@ class LockManager:
             return None
         return max((h for h in holders if h and h.token == token), key=lambda h: h.fence)
 
+    def inspect(self, key: str) -> LockInfo:
+        """The key's holder, time left and fencing counter, as a majority of nodes sees them."""
+        key = check_key(key)
+        keys = self.redis_keys(key)
+        replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
+        answered = [r for r in replies if not isinstance(r, BaseException)]
+        if len(answered) < self.quorum:
+            raise LockUnavailable(
+                f"cannot inspect {key!r}: only {len(answered)} of {len(self.nodes)} node(s) "
+                "answered",
+                key=key,
+                errors=[
+                    (node.shown, _describe(r))
+                    for node, r in zip(self.nodes, replies, strict=True)
+                    if isinstance(r, BaseException)
+                ],
+            )
+        fences = [int(r[2]) for r in answered if r[2] is not None]
+        fence = max(fences) if fences else None
+        holder = self.holder(key)
+        if holder is None:
+            return LockInfo(key, None, None, fence)
+        left = [int(r[1]) for r in answered if r[0] and parse_value(r[0]) == holder]
+        return LockInfo(key, holder, min(left) / 1000.0 if left else None, fence)
+
+    def locks(self, prefix: str = "") -> list[LockInfo]:
+        """Every key starting with ``prefix`` that some node holds (for the operator command)."""
+        import redis
+
+        pattern = f"{self.settings.prefix}:{{{_glob_escape(prefix)}*}}"
+        start = len(self.settings.prefix) + 2
+        found: set[str] = set()
+        for node in self.nodes:
+            client = redis.Redis.from_url(
+                node.url, socket_timeout=max(node.timeout, 1.0), socket_connect_timeout=1.0
+            )
+            try:
+                for raw in client.scan_iter(match=pattern, count=500):
+                    name = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    found.add(name[start:-1])
+            except RedisError as exc:
+                if not self.redlock:
+                    raise LockUnavailable(
+                        f"cannot list locks on {node.shown}: {exc}",
+                        key=prefix,
+                        errors=[(node.shown, _describe(exc))],
+                    ) from exc
+            finally:
+                client.close()
+        return [self.inspect(key) for key in sorted(found)]
+
+    def force_release(self, key: str, holder: Holder) -> bool:
+        """Release ``key`` from ``holder`` for an operator: its renewal will report it lost.
+
+        Leaves a marker naming the acquisition, so neither its renewal nor a Redlock re-take
+        can bring the key back, and moves the fencing counter on. True if a majority released.
+        """
+        key = check_key(key)
+        lock_key, fence_key, signal_key = self.redis_keys(key)
+        info = self.inspect(key)
+        pttl = info.ttl_left or 0.0
+        marker_ttl = max(2 * self.settings.ttl, 2 * pttl, 10.0)
+        replies = run_script(
+            self.nodes,
+            "force_release",
+            (lock_key, fence_key, signal_key, revoked_key(lock_key, holder.token)),
+            (holder.token, _ms(marker_ttl), self._retention_ms),
+            self.settings.node_timeout,
+        )
+        released = sum(1 for r in replies if r == 1)
+        log_release.warning(
+            "forced release of key=%s held by %s on %d of %d node(s)",
+            key,
+            holder.describe(),
+            released,
+            len(self.nodes),
+        )
+        return released >= self.quorum
+
     # -- renew (called by the watchdog) ----------------------------------------------------
 
     def renew(self, leases: Sequence[Lease]) -> list[str | None]:
@@ -565,7 +676,7 @@ class LockManager:
         args: list[Any] = ["1" if self.redlock else "0", self._retention_ms]
         for lease in leases:
             lock_key, fence_key, _ = self.redis_keys(lease.key)
-            keys += (lock_key, fence_key)
+            keys += (lock_key, fence_key, revoked_key(lock_key, head_token(lease.head)))
             args += (lease.head, _ms(lease.ttl), lease.token)
         started = time.monotonic()
         timeout = max(0.001, min(self.settings.node_timeout, *(x.valid_for for x in leases)))
@@ -594,6 +705,8 @@ class LockManager:
         return out
 
     def _loss_reason(self, codes: list[int | None]) -> str:
+        if codes.count(_REVOKED):
+            return "released by an operator (celery dlock release)"
         taken = codes.count(_TAKEN)
         gone = codes.count(_ABSENT) + codes.count(_RETAKEN)
         where = "" if not self.redlock else f" on {taken + gone} of {len(codes)} nodes"

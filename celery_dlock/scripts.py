@@ -154,23 +154,26 @@ return 0
 
 #: Extend every listed lock we still own: the watchdog's batched renewal, one call per node.
 #:
-#: KEYS[2i-1] lock key i, KEYS[2i] its fence counter key.
-#: ARGV[1] "1" to re-take a key that vanished from this node (Redlock), "0" not to.
-#: ARGV[2] fence counter retention in ms.
+#: KEYS[3i-2] lock key i, KEYS[3i-1] its fence counter key, KEYS[3i] its revoked marker (see
+#: FORCE_RELEASE). ARGV[1] "1" to re-take a key that vanished from this node (Redlock), "0" not
+#: to. ARGV[2] fence counter retention in ms.
 #: ARGV[3i], ARGV[3i+1], ARGV[3i+2]: value head, ttl in ms, fencing token of lock i.
-#: Returns one code per lock: 1 extended, 2 absent and re-taken, 0 absent, 3 held by another.
+#: Returns one code per lock: 1 extended, 2 absent and re-taken, 0 absent, 3 held by another,
+#: 4 released by an operator (never re-taken).
 #:
 #: Re-taking a vanished key keeps a Redlock lease alive across successive single-node wipes;
 #: the caller counts only code 1 toward the quorum, so a re-take never manufactures a majority.
 EXTEND = """
 local retake = ARGV[1] == '1'
 local out = {}
-for i = 1, #KEYS / 2 do
-  local key = KEYS[2 * i - 1]
+for i = 1, #KEYS / 3 do
+  local key = KEYS[3 * i - 2]
   local head = ARGV[3 * i]
   local ttl = ARGV[3 * i + 1]
   local cur = redis.call('GET', key)
-  if cur then
+  if redis.call('EXISTS', KEYS[3 * i]) == 1 then
+    out[i] = 4
+  elseif cur then
     if string.sub(cur, 1, #head) == head then
       redis.call('PEXPIRE', key, ttl)
       out[i] = 1
@@ -180,7 +183,7 @@ for i = 1, #KEYS / 2 do
   elseif retake then
     local token = ARGV[3 * i + 2]
     redis.call('SET', key, head .. token .. '}', 'PX', ttl)
-    local fkey = KEYS[2 * i]
+    local fkey = KEYS[3 * i - 1]
     if tonumber(redis.call('GET', fkey) or '0') < tonumber(token) then
       redis.call('SET', fkey, token, 'PX', ARGV[2])
     end
@@ -190,6 +193,32 @@ for i = 1, #KEYS / 2 do
   end
 end
 return out
+"""
+
+#: An operator's forced release: blacklist the holder's acquisition rather than only delete it
+#: (seed 000), so its next renewal reports the lease lost instead of re-taking the key.
+#:
+#: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] waiter signal list, KEYS[4] the
+#: revoked marker of the acquisition (named after its token). ARGV[1] that token, ARGV[2]
+#: how long the marker lives in ms (longer than the holder could keep renewing unnoticed),
+#: ARGV[3] fence counter retention in ms. Returns 1 when released here, 0 when the key was not
+#: held by that acquisition on this node (a marker is left anyway, for a node that missed it).
+#:
+#: The fencing counter moves on at once, so the revoked holder's token is stale before any
+#: new holder writes.
+FORCE_RELEASE = """
+redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
+local cur = redis.call('GET', KEYS[1])
+if not cur or not string.find(cur, '"token":"' .. ARGV[1] .. '"', 1, true) then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
+redis.call('DEL', KEYS[3])
+redis.call('RPUSH', KEYS[3], 'forced')
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+return 1
 """
 
 #: Turn a running execution's lock into a queued lock for its own retry message, atomically.
@@ -218,6 +247,7 @@ ALL = {
     "void": VOID,
     "release_holder": RELEASE_HOLDER,
     "extend": EXTEND,
+    "force_release": FORCE_RELEASE,
     "handover": HANDOVER,
     "inspect": INSPECT,
 }

@@ -22,7 +22,8 @@ from celery.utils.dispatch import Signal
 lock_acquired = Signal(name="dlock_lock_acquired")
 #: The key was held by another. Extra: ``holder`` (a :class:`~celery_dlock.Holder` or None),
 #: ``policy`` (what happens now: "drop", "requeue", "raise", "wait", or "merge" when an
-#: enqueue-time duplicate was answered with the queued task's result), and ``retry_in``
+#: enqueue-time duplicate was answered with the queued task's result; from ``lock()``, "raise"
+#: when it would not wait and "wait" when its wait ran out), and ``retry_in``
 #: (seconds until a requeued duplicate comes back; None for other policies).
 lock_contended = Signal(name="dlock_lock_contended")
 #: A held lease was lost. Extra: ``reason``, ``held_for`` (seconds since it was taken).

@@ -142,3 +142,56 @@ def test_renew_interval_must_leave_room_for_the_drift_allowance() -> None:
 def test_ttl_must_outlast_its_drift_allowance() -> None:
     with pytest.raises(ConfigError, match=r"ttl \(0.005 s\) is too short"):
         lock(GOOD, "k", ttl=0.005)
+
+
+# -- the whole table: what a user gets for each kind of bad input at run time -------------------
+
+
+def runtime_error(urls: list[str], key: str = "report") -> str:
+    from celery_dlock import lock
+
+    try:
+        with lock(urls, key, ttl=5):
+            pass
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("no error")
+
+
+@pytest.mark.local_redis
+def test_runtime_bad_input_table() -> None:
+    from celery_dlock.testing import RedisServer, free_port
+
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    with RedisServer(extra_args=["--requirepass", "s3cret"]) as guarded:
+        wrong = f"redis://:nope@127.0.0.1:{guarded.port}/0"
+        missing = f"redis://127.0.0.1:{guarded.port}/0"
+        right = f"redis://:s3cret@127.0.0.1:{guarded.port}/0"
+        table = {
+            "Redis down": (
+                runtime_error([down]),
+                f"LockUnavailable: cannot lock 'report': 0 of 1 node(s) answered, 1 needed "
+                f"({down}: ConnectionError: Error 111 connecting to 127.0.0.1:",
+            ),
+            "wrong password": (
+                runtime_error([wrong]),
+                "LockUnavailable: cannot lock 'report': 0 of 1 node(s) answered, 1 needed "
+                f"(redis://:***@127.0.0.1:{guarded.port}/0: AuthenticationError: wrong password "
+                "or user name in the URL (or the ACL user is disabled))",
+            ),
+            "no password": (
+                runtime_error([missing]),
+                f"({missing}: AuthenticationError: the server requires a password; put it in "
+                "the URL (redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@... for an "
+                "ACL user))",
+            ),
+            "oversized key": (
+                runtime_error([right], key="k" * 5000),
+                "ConfigError: lock key is 5000 characters, over the 1024 limit; hash the "
+                "variable part (hashlib.sha256(...).hexdigest()).",
+            ),
+        }
+        for case, (got, expected) in table.items():
+            assert expected in got, f"{case}: {got}"
+            assert "s3cret" not in got
+            assert "nope" not in got

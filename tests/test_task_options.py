@@ -56,6 +56,11 @@ def define(app: Celery, **options: Any) -> Any:
         ({"lock_key": "{0}"}, "must name arguments, e.g. '{source}', not '{0}'"),
         ({"lock_key": "{source"}, "is not a valid template"),
         ({"lock_key": 42}, "lock_key must be None, a list of argument names, a template"),
+        (
+            {"lock_key": "entity"},
+            "lock_key 'entity' is a constant key, but names an argument: every call would "
+            "share one lock. Write lock_key=['entity'] or '{entity}'",
+        ),
     ],
 )
 def test_bad_options_fail_when_the_task_is_defined(options: dict[str, Any], message: str) -> None:

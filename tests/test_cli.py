@@ -1,0 +1,143 @@
+"""``celery -A proj dlock ...`` run as a real subprocess against real Redis (single, Redlock-5).
+
+Leases are taken in this process; the command, a separate process reading the same app's
+settings, lists, shows, releases and purges them. A released holder notices at its next
+renewal, and the fencing counter has moved on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_dlock import LockLost
+from celery_dlock.redlock import LockManager
+from celery_dlock.testing import RedisServer
+from tests import cli_app
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dlock(urls: list[str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DLOCK_TEST_LOCK_URLS": ",".join(urls), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dlock", *args]
+    return subprocess.run(
+        command, env=env, cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def manager(urls: list[str]) -> Any:
+    from celery_dlock.registry import forget, manager_for
+
+    cli_app.app.conf.dlock_urls = urls
+    forget(cli_app.app)  # the app's settings are read once; read them again
+    return manager_for(cli_app.app)
+
+
+def test_list_and_show_what_is_held(urls: list[str], manager: LockManager) -> None:
+    task = cli_app.replicate
+    first = manager.acquire("meta:crm:acme", ttl=5, holder="task-1", sender=task, renew=False)
+    second = manager.acquire("beat-leader:proj", ttl=5, holder=None, renew=False)
+    try:
+        listed = dlock(urls, "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        rows = {r["key"]: r for r in map(json.loads, listed.stdout.splitlines())}
+        assert set(rows) == {"meta:crm:acme", "beat-leader:proj"}
+        row = rows["meta:crm:acme"]
+        assert row["task"] == "cli_app.replicate"
+        assert row["task_id"] == "task-1"
+        assert row["pid"] == os.getpid()
+        assert row["fence"] == first.token
+        assert 0 < row["ttl_left"] <= 5
+        assert 0 <= row["age"] < 30
+        assert rows["beat-leader:proj"]["fence"] == second.token
+
+        only = dlock(urls, "list", "--prefix", "meta:")
+        assert only.returncode == 0, only.stderr
+        assert "meta:crm:acme" in only.stdout
+        assert "beat-leader" not in only.stdout
+
+        shown = json.loads(dlock(urls, "show", "meta:crm:acme", "--json").stdout)
+        assert shown["held"] is True
+        assert shown["task_id"] == "task-1"
+        missing = json.loads(dlock(urls, "show", "meta:nobody", "--json").stdout)
+        assert missing["held"] is False
+    finally:
+        first.release()
+        second.release()
+
+
+def test_release_tells_the_holder_and_moves_the_fence_on(
+    urls: list[str], manager: LockManager
+) -> None:
+    lost = threading.Event()
+    lease = manager.acquire("replication", ttl=1.5, holder="task-9")
+    lease.on_lost(lambda _lease, _error: lost.set())
+    try:
+        refused = dlock(urls, "release", "replication", stdin="n\n")
+        assert refused.returncode != 0
+        assert not lost.is_set()
+        assert manager.holder("replication") is not None
+
+        done = dlock(urls, "release", "replication", "--yes", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"key": "replication", "released": True, "held": True}
+        # The holder learns at its next renewal (every 0.5 s here), not when its ttl runs out.
+        assert lost.wait(0.5 + 0.5), "the holder did not notice the forced release"
+        assert lease.lost_reason is not None
+        assert "operator" in lease.lost_reason
+        with pytest.raises(LockLost):
+            lease.ensure()
+        # Its renewal did not bring the key back, and the next holder's token is newer.
+        assert manager.holder("replication") is None
+        info = manager.inspect("replication")
+        assert info.fence is not None
+        assert info.fence > lease.token
+        after = manager.acquire("replication", ttl=2, renew=False)
+        assert after.token > lease.token
+        after.release()
+    finally:
+        lease.release()
+
+
+def test_purge_releases_a_prefix_and_nothing_else(urls: list[str], manager: LockManager) -> None:
+    leases = [manager.acquire(f"meta:crm:{n}", ttl=5, renew=False) for n in ("a", "b", "c")]
+    other = manager.acquire("meta-other", ttl=5, renew=False)
+    try:
+        empty = dlock(urls, "purge", "", "--yes")
+        assert empty.returncode != 0
+        assert "non-empty prefix" in empty.stderr
+        done = dlock(urls, "purge", "meta:crm:", "--yes", "--json")
+        assert done.returncode == 0, done.stderr
+        assert sorted(json.loads(done.stdout)["released"]) == [
+            "meta:crm:a",
+            "meta:crm:b",
+            "meta:crm:c",
+        ]
+        assert [manager.holder(f"meta:crm:{n}") for n in ("a", "b", "c")] == [None] * 3
+        assert manager.holder("meta-other") is not None
+    finally:
+        for lease in [*leases, other]:
+            lease.release()
+
+
+@pytest.mark.local_redis
+def test_passwords_in_urls_are_never_printed() -> None:
+    with RedisServer(extra_args=["--requirepass", "s3cret-pw"]) as server:
+        url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+        shown = dlock([url], "list")
+        assert shown.returncode == 0, shown.stderr
+        assert "s3cret-pw" not in shown.stdout + shown.stderr
+        assert f"127.0.0.1:{server.port}" in shown.stdout
+        wrong = dlock([f"redis://:nope@127.0.0.1:{server.port}/0"], "list")
+        assert wrong.returncode != 0
+        assert "nope" not in wrong.stdout + wrong.stderr
