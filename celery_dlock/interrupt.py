@@ -78,8 +78,10 @@ def start() -> _Run:
 
 def stop(run: _Run) -> None:
     """The body has ended: no interruption may land after this returns."""
+    # Before taking the lock: the watchdog may hold it while it signals this very thread, and
+    # the handler, running as soon as we get the lock, must then find the body over.
+    run.active = False
     with _lock:
-        run.active = False
         _runs.pop(run.thread, None)
         if run.requested and not run.main:
             # Clear it if it has not landed yet (a no-op if it has).

@@ -196,14 +196,17 @@ class SingletonTask(_TaskBase):
             try:
                 result = super().__call__(*args, **kwargs)
             finally:
-                if run is not None:
-                    interrupt.stop(run)
-                    run = None
-                stack.pop()
-                # Not waiting for the nodes' replies: they decide nothing for this task, and the
-                # next task on this process reads them first. A no-op when a retry already
-                # released the lease or handed it over.
-                lease.release(wait=False)
+                try:
+                    if run is not None:
+                        ending = run
+                        run = None  # the outer finally need not stop it again
+                        interrupt.stop(ending)
+                finally:  # even if the interrupt lands in stop() itself
+                    stack.pop()
+                    # Not waiting for the nodes' replies: they decide nothing for this task, and
+                    # the next task on this process reads them first. A no-op when a retry
+                    # already released the lease or handed it over.
+                    lease.release(wait=False)
             if self.on_lock_lost == "raise" and lease.lost:
                 # The body finished, but not necessarily alone: do not report success.
                 lease.ensure_lost_error()
