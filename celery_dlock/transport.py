@@ -262,7 +262,7 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
     connection's commands in order, so nothing sent later on this thread can overtake it. For
     releases at the end of a task, where waiting for the reply would only delay the next task.
     """
-    packed = None
+    packed: dict[bool, Any] = {}
     for node in nodes:
         if len(nodes) > 1 and node.down:
             continue
@@ -273,14 +273,28 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             _drain(node, conn)
             # No staleness check: a connection the server closed means the server restarted
             # and lost the key anyway; the next command finds the dead connection and replaces it.
-            if packed is None:
-                sha = node.scripts[name].sha
-                packed = conn.pack_command("EVALSHA", sha, len(keys), *keys, *args)
-            conn.send_packed_command(packed, check_health=False)
+            # The first time on a connection, send the source: nobody may read this reply for a
+            # long time (the process may even exit first), so a NOSCRIPT must not be possible.
+            cached = name in _known(conn)
+            if cached not in packed:
+                script = node.scripts[name]
+                command = ("EVALSHA", script.sha) if cached else ("EVAL", script.script)
+                packed[cached] = conn.pack_command(*command, len(keys), *keys, *args)
+            conn.send_packed_command(packed[cached], check_health=False)
+            _known(conn).add(name)
             _owed(conn).append((name, tuple(keys), tuple(args)))
         except (RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
+
+
+def _known(conn: Connection) -> set[str]:
+    """Scripts this connection's server has run since it connected: safe to send by SHA."""
+    sock = getattr(conn, "_sock", None)
+    known: tuple[Any, set[str]] | None = getattr(conn, "_dlock_known", None)
+    if known is None or known[0] is not sock:  # a new socket: maybe a restarted server
+        known = conn._dlock_known = (sock, set())
+    return known[1]
 
 
 def _owed(conn: Connection) -> list[tuple[str, tuple[str, ...], tuple[Any, ...]]]:
