@@ -11,7 +11,10 @@ stopped with :class:`~celery_dlock.LockLost`:
   a long C call (a socket read, ``time.sleep``) notices only when that call returns.
 
 Either way the body is interrupted only while it is running: once it has returned, a late
-signal is ignored and a pending asynchronous exception is cleared.
+signal is ignored and a pending asynchronous exception is cleared. Nor is a body interrupted
+that has already been told: when its own ``lease.ensure()`` raises ``LockLost``, an interrupt
+still on its way is called off, so it cannot land in the body's own handling of that error
+(a retry, say) and turn it into a failure.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ class _Run:
         self.main = threading.current_thread() is threading.main_thread()
         self.active = True
         self.requested = False
-        self.delivered = False
+        self.delivered = False  # LockLost reached the body: by this interrupt, or by ensure()
+        #: The lease whose loss stops this body (set once acquired).
+        self.lease: object | None = None
 
 
 _lock = threading.Lock()
@@ -88,10 +93,22 @@ def stop(run: _Run) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(run.thread), None)
 
 
+def told(lease: object) -> None:
+    """``lease.ensure()`` is raising ``LockLost`` in this thread: its body knows, so an
+    interrupt for that lease must not land on top (in the body's ``except`` clause, say)."""
+    run = _runs.get(threading.get_ident())
+    if run is None or run.lease is not lease:
+        return
+    with _lock:
+        run.delivered = True  # a signal already sent finds the body told, and does nothing
+        if run.requested and not run.main:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(run.thread), None)
+
+
 def interrupt(run: _Run) -> None:
     """Raise ``LockLost`` in ``run``'s body if it is still running; callable from any thread."""
     with _lock:
-        if not run.active or run.requested:
+        if not run.active or run.requested or run.delivered:
             return
         run.requested = True
         if run.main and SIGNAL is not None and _handler_installed:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from celery_dlock import interrupt
 from celery_dlock.errors import LockLost
 from celery_dlock.signals import lock_lost
 
@@ -117,16 +118,19 @@ class Lease:
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lease is still held and valid right now."""
+        if self._lost is None and not self._released and time.monotonic() < self._deadline:
+            return
+        # The caller hears of the loss here: a lost-lease interrupt for it is called off.
+        interrupt.told(self)
         if self._lost is not None:
             raise self._lost
         if self._released:
             raise LockLost(
                 f"lock {self.key!r} was released", key=self.key, reason="released", token=self.token
             )
-        if time.monotonic() >= self._deadline:
-            self.mark_lost(self._expiry_reason())
-            assert self._lost is not None
-            raise self._lost
+        self.mark_lost(self._expiry_reason())
+        assert self._lost is not None
+        raise self._lost
 
     def on_lost(self, callback: LostCallback) -> None:
         """Call ``callback(lease, error)`` once when the lease is lost (now if it already is)."""

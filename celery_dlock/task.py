@@ -183,6 +183,8 @@ class SingletonTask(_TaskBase):
                 return self._contended(key, exc, args, kwargs)
             except LockUnavailable as exc:
                 return self._unavailable(key, exc, args, kwargs)
+            if run is not None:
+                run.lease = lease
             if getattr(request, HEADER_REDELIVERED, None) and self._finished(request.id or ""):
                 # A redelivered copy that waited for the first execution: that one finished.
                 lease.release(wait=False)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_dlock import LockContended, LockUnavailable, lock
+from celery_dlock import LockContended, LockLost, LockUnavailable, interrupt, lock
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
@@ -212,3 +212,84 @@ def test_a_minority_holder_is_never_named_as_the_holder(redlock_urls: list[str])
         lock(redlock_urls, "ghosts", ttl=5).acquire()
     assert info.value.holder is None
     assert "no majority" in str(info.value)
+
+
+def _expired_lease(urls: list[str]) -> Lease:
+    """A lease whose validity has run out on the monotonic clock, nobody having noticed."""
+    lease = manager_for(urls).acquire("told", ttl=0.05, renew=False)
+    deadline = time.monotonic() + 2
+    while lease.valid_for > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return lease
+
+
+def _handle_loss(lease: Lease, watchdog_interrupts: Any) -> str:
+    """A body that checks its lease, and handles the LockLost it gets; the watchdog's
+    interrupt for the same loss arrives while it is handling it (the race a paused worker
+    process resumed into: body and watchdog notice at once)."""
+    try:
+        lease.ensure()
+    except LockLost:
+        watchdog_interrupts()
+        total = 0
+        for i in range(200_000):  # bytecodes enough for a pending interrupt to land
+            total += i
+        return "handled"
+    return "not lost"
+
+
+def test_a_body_told_by_ensure_is_not_interrupted_again_main_thread(single_urls: list[str]) -> None:
+    lease = _expired_lease(single_urls)
+    run = interrupt.start()
+    run.lease = lease
+    try:
+        # From another thread, as the watchdog does; joined, so the signal is already sent.
+        def from_watchdog() -> None:
+            t = threading.Thread(target=interrupt.interrupt, args=(run,))
+            t.start()
+            t.join()
+
+        assert _handle_loss(lease, from_watchdog) == "handled"
+    finally:
+        interrupt.stop(run)
+        lease.release()
+
+
+def test_a_body_told_by_ensure_is_not_interrupted_again_other_thread(
+    single_urls: list[str],
+) -> None:
+    lease = _expired_lease(single_urls)
+    outcome: list[Any] = []
+
+    def body() -> None:
+        run = interrupt.start()
+        run.lease = lease
+        try:
+            outcome.append(_handle_loss(lease, lambda: interrupt.interrupt(run)))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            interrupt.stop(run)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(10)
+    lease.release()
+    assert outcome == ["handled"]
+
+
+def test_an_unaware_body_is_still_interrupted(single_urls: list[str]) -> None:
+    """The other side of the same rule: a body that has not called ensure() is stopped."""
+    lease = manager_for(single_urls).acquire("told", ttl=30, renew=False)
+    run = interrupt.start()
+    run.lease = lease
+    try:
+        with pytest.raises(LockLost):
+            threading.Thread(target=interrupt.interrupt, args=(run,)).start()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        interrupt.stop(run)
+        lease.release()
