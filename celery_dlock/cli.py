@@ -23,7 +23,7 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
-from celery_dlock.config import redact
+from celery_dlock.endpoints import redact
 from celery_dlock.redlock import LockInfo, LockManager
 from celery_dlock.registry import manager_for
 

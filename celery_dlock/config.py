@@ -21,8 +21,10 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlencode
 
+from celery_dlock import endpoints
+from celery_dlock.endpoints import redact
 from celery_dlock.errors import ConfigError
 
 DEFAULT_TTL = 30.0
@@ -32,66 +34,12 @@ DEFAULT_DRIFT_FACTOR = 0.01
 DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 #: Longest user key accepted as is; longer keys should be hashed (task keys are, automatically).
 MAX_KEY_LENGTH = 1024
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 #: Least validity a lease may start with after the drift allowance.
 MIN_VALIDITY = 0.01
 
 
 class DLockConfigWarning(UserWarning):
     """A setting works but is probably not what was meant (e.g. an even number of nodes)."""
-
-
-def redact(url: str) -> str:
-    """The URL with any password replaced by ``***``, safe for logs and error messages."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if _port_or_none(parts) else "")
-    return parts._replace(netloc=netloc).geturl()
-
-
-def _port_or_none(parts: Any) -> int | None:
-    try:
-        port: int | None = parts.port
-    except ValueError:
-        return None
-    return port
-
-
-def _server_identity(url: str, setting: str) -> tuple[str, ...]:
-    """Which server a URL points at, to catch two URLs naming one server; raises on a bad URL."""
-    shown = redact(url)
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise ConfigError(f"{setting}: {shown!r} is not a URL ({exc}).") from None
-    scheme = parts.scheme.lower()
-    if scheme not in REDIS_SCHEMES:
-        raise ConfigError(
-            f"{setting}: {shown!r} has scheme {parts.scheme!r}; use redis://host:port/db, "
-            "rediss:// for TLS, or unix:///path/to/socket."
-        )
-    if scheme == "unix":
-        if not parts.path:
-            raise ConfigError(f"{setting}: {shown!r} names no socket path (unix:///path).")
-        return ("unix", parts.path)
-    if not parts.hostname:
-        raise ConfigError(f"{setting}: {shown!r} names no host; write redis://host:6379/0.")
-    try:
-        port = parts.port or 6379
-    except ValueError:
-        raise ConfigError(f"{setting}: {shown!r} has a port that is not a number.") from None
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        raise ConfigError(
-            f"{setting}: {shown!r} has database {unquote(db)!r}; the path must be a number."
-        )
-    return ("tcp", parts.hostname.lower(), str(port))
 
 
 def quorum(n: int) -> int:
@@ -114,9 +62,7 @@ def check_urls(urls: Any, setting: str = "dlock_urls") -> tuple[str, ...]:
         )
     seen: dict[tuple[str, ...], str] = {}
     for url in urls:
-        if not isinstance(url, str):
-            raise ConfigError(f"{setting}: {url!r} is a {type(url).__name__}, not a URL string.")
-        ident = _server_identity(url, setting)
+        ident = endpoints.parse(url, setting).identity()
         if ident in seen:
             raise ConfigError(
                 f"{setting}: {redact(url)!r} and {redact(seen[ident])!r} name the same Redis "
@@ -247,8 +193,11 @@ def settings_from_app(app: Any) -> Settings:
     urls = conf.get("dlock_urls")
     if urls is None:
         broker = conf.get("broker_url") or ""
-        if isinstance(broker, str) and broker.split("://", 1)[0].lower() in ("redis", "rediss"):
+        scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
+        if scheme in ("redis", "rediss"):
             urls = [broker]
+        elif scheme == "sentinel":
+            urls = [sentinel_url_from_kombu(broker, conf.get("broker_transport_options") or {})]
         else:
             raise ConfigError(
                 "dlock_urls is not set and the broker is not Redis "
@@ -263,3 +212,33 @@ def settings_from_app(app: Any) -> Settings:
         drift_factor=conf.get("dlock_drift_factor", DEFAULT_DRIFT_FACTOR),
         fence_retention=conf.get("dlock_fence_retention", DEFAULT_FENCE_RETENTION),
     )
+
+
+def sentinel_url_from_kombu(broker: str, transport_options: Any) -> str:
+    """Celery's Sentinel broker setting as one ``redis+sentinel://`` URL.
+
+    Kombu spells it ``sentinel://:pw@host:26379/0;sentinel://host2:26379`` with the group name
+    in ``broker_transport_options["master_name"]`` and the sentinels' own password, if any, in
+    ``broker_transport_options["sentinel_kwargs"]["password"]``.
+    """
+    master = transport_options.get("master_name")
+    if not master:
+        raise ConfigError(
+            f"dlock_urls is not set and the broker is Sentinel ({redact(broker)}) without "
+            "broker_transport_options['master_name']; set it, or set app.conf.dlock_urls = "
+            "['redis+sentinel://host:26379,host2:26379/mymaster/0']."
+        )
+    hosts: list[str] = []
+    auth = db = ""
+    for part in filter(None, (p.strip() for p in broker.split(";"))):
+        rest = part.split("://", 1)[-1]
+        userinfo, _, hostpath = rest.rpartition("@")
+        auth = auth or (f"{userinfo}@" if userinfo else "")
+        host, _, path = hostpath.partition("/")
+        hosts.append(host)
+        db = db or path.strip("/")
+    query = ""
+    sentinel_password = (transport_options.get("sentinel_kwargs") or {}).get("password")
+    if sentinel_password:
+        query = "?" + urlencode({"sentinel_password": sentinel_password})
+    return f"redis+sentinel://{auth}{','.join(hosts)}/{master}/{db or 0}{query}"

@@ -612,15 +612,11 @@ class LockManager:
 
     def locks(self, prefix: str = "") -> list[LockInfo]:
         """Every key starting with ``prefix`` that some node holds (for the operator command)."""
-        import redis
-
         pattern = f"{self.settings.prefix}:{{{_glob_escape(prefix)}*}}"
         start = len(self.settings.prefix) + 2
         found: set[str] = set()
         for node in self.nodes:
-            client = redis.Redis.from_url(
-                node.url, socket_timeout=max(node.timeout, 1.0), socket_connect_timeout=1.0
-            )
+            client = node.endpoint.client(max(node.timeout, 1.0))  # SCAN is slower than a lock
             try:
                 for raw in client.scan_iter(match=pattern, count=500):
                     name = raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -23,15 +23,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
-from celery_dlock import forks, scripts
-from celery_dlock.config import redact
+from celery_dlock import endpoints, forks, scripts
 
 log = logging.getLogger("celery_dlock.transport")
 
@@ -46,16 +43,10 @@ class Node:
 
     def __init__(self, url: str, timeout: float) -> None:
         self.url = url
-        self.shown = redact(url)
+        self.endpoint = endpoints.parse(url)
+        self.shown = self.endpoint.shown
         self.timeout = timeout
-        # No redis-py retries: a retried connect to a hung node would multiply the time a
-        # call waits; the lock layer decides what a failed node means.
-        self.client: redis.Redis = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-        )
+        self.client: redis.Redis = self.endpoint.client(timeout)
         self.scripts: dict[str, Script] = {
             name: self.client.register_script(source) for name, source in scripts.ALL.items()
         }

@@ -10,7 +10,8 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError, DLockConfigWarning, lock
-from celery_dlock.config import Settings, redact
+from celery_dlock.config import Settings
+from celery_dlock.endpoints import redact
 
 GOOD = ["redis://127.0.0.1:1/0"]
 
@@ -58,7 +59,16 @@ def test_key_must_be_non_empty_and_bounded() -> None:
     ("urls", "message"),
     [
         ([], "dlock_urls is empty: give one Redis URL"),
-        (["http://host:6379"], "has scheme 'http'; use redis://host:port/db"),
+        (["http://host:6379"], "has scheme 'http'; use redis://host:6379/0"),
+        (["redis://a:1,b:2/0"], "lists several hosts in one URL"),
+        (["redis+sentinel://a:26379,b:26379"], "names no Sentinel service"),
+        (["redis+sentinel://a:x/mymaster"], "has port 'x', which is not a number"),
+        (["redis+sentinel://a/mymaster/zero"], "the path may hold only a database number"),
+        (["redis+cluster://a:7000/2"], "Redis Cluster has only database 0"),
+        (
+            ["redis+sentinel://a,b/m/0", "redis+sentinel://b,a/m/1", "redis://c"],
+            "name the same Redis server",
+        ),
         (["redis://"], "names no host"),
         (["redis://h:port/0"], "port that is not a number"),
         (["redis://h:6379/zero"], "database 'zero'; the path must be a number"),
@@ -91,6 +101,10 @@ def test_passwords_never_appear_in_errors() -> None:
     assert "s3cret" not in str(info.value)
     assert "redis://:***@a:1/1" in str(info.value)
     assert redact("rediss://user:pw@h:6380/2") == "rediss://user:***@h:6380/2"
+    assert (
+        redact("redis+sentinel://:pw@a:1,b:2/m/0?sentinel_password=spw&ssl_certfile=/c")
+        == "redis+sentinel://:***@a:1,b:2/m/0?sentinel_password=***&ssl_certfile=/c"
+    )
 
 
 def test_an_even_node_count_warns_with_its_quorum() -> None:
