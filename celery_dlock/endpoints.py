@@ -112,7 +112,7 @@ class Endpoint:
         if self.kind == "sentinel":
             from redis.sentinel import Sentinel
 
-            sentinel_kwargs = {**self.sentinel_options, **common}
+            sentinel_kwargs = {**self.sentinel_options, **common, "retry": Retry(NoBackoff(), 0)}
             if self.tls:
                 sentinel_kwargs.update(_tls_options(options))
                 options["ssl"] = True

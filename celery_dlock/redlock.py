@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
+from redis.sentinel import MasterNotFoundError
 
 from celery_dlock.config import (
     Settings,
@@ -112,6 +113,13 @@ def _describe(exc: BaseException) -> str:
         )
     elif "invalid username-password pair" in text or "WRONGPASS" in text:
         text = "wrong password or user name in the URL (or the ACL user is disabled)"
+    elif isinstance(exc, MasterNotFoundError):
+        # redis-py appends every sentinel client's repr; the service name is what matters.
+        service = text.split("'")[1] if text.count("'") >= 2 else "?"
+        text = (
+            f"no sentinel named a master for {service!r}: the sentinels are unreachable, or "
+            "none monitors a service of that name (see SENTINEL MASTERS)"
+        )
     return f"{type(exc).__name__}: {text}"
 
 
