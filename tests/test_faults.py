@@ -26,6 +26,7 @@ from tests.faults.harness import SCHEDULES, SHORT, run
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 
 
+@pytest.mark.timeout(300)  # about 60 s each; more on a loaded machine, or when a job is gone
 @pytest.mark.parametrize("mode", ["single", "redlock5"])
 def test_short_fault_profile_finds_no_violation(mode: str, tmp_path: Path) -> None:
     report = run(mode, SHORT, tmp_path)
@@ -42,7 +43,11 @@ def test_short_fault_profile_finds_no_violation(mode: str, tmp_path: Path) -> No
     assert report.doubled_jobs == [], summary
     # Frozen writers came back after a newer token was applied, and the fence refused them.
     assert report.late_writes_refused >= 1, summary
-    assert report.late_writes == report.late_writes_refused + report.late_writes_applied_alone
+    # Every other late write did no harm: no newer token had been applied to its key, or its
+    # job had been applied already (by a redelivered copy) and the store did not apply it again.
+    assert report.late_writes == (
+        report.late_writes_refused + report.late_writes_applied_alone + report.late_writes_absorbed
+    )
     assert report.losses >= 1, summary
     assert report.ok
 

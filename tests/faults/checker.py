@@ -66,6 +66,7 @@ class Report:
     late_writes: int = 0
     late_writes_refused: int = 0
     late_writes_applied_alone: int = 0  # late, but no newer token had been applied: harmless
+    late_writes_absorbed: int = 0  # late, but its job was applied already: not applied again
     losses: int = 0
     detection_seconds: list[float] = field(default_factory=list)
     slow_detections: list[str] = field(default_factory=list)
@@ -97,6 +98,8 @@ class Report:
             "stale_writes_applied": len(self.stale_applied),
             "late_writes": self.late_writes,
             "late_writes_refused": self.late_writes_refused,
+            "late_writes_applied_alone": self.late_writes_applied_alone,
+            "late_writes_absorbed": self.late_writes_absorbed,
             "leases_lost": self.losses,
             "detection_max_s": round(detect[-1], 3) if detect else None,
             "detection_median_s": round(detect[len(detect) // 2], 3) if detect else None,
@@ -191,6 +194,8 @@ def _check_writes(report: Report, runs: list[Execution], writes: list[dict[str, 
                 report.late_writes_refused += 1
             elif w["outcome"] == "applied":
                 report.late_writes_applied_alone += 1
+            else:  # "again": a redelivered copy applied the job first; nothing written
+                report.late_writes_absorbed += 1
 
 
 def _check_detection(

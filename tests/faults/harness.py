@@ -54,6 +54,10 @@ class Profile:
     cycles: int  # how many times the fault schedule repeats
 
 
+#: Seconds without a newly applied job after which the drain stops waiting: well over the
+#: 6 s visibility timeout plus restore and requeue delays (tests/faults/app.py).
+STALL = 20.0
+
 SHORT = Profile("short", 24.0, 6.0, 3, 2, 2, 2.0, 25, 1)
 LONG = Profile("long", 150.0, 8.0, 4, 3, 2, 2.0, 20, 6)
 
@@ -337,12 +341,19 @@ class Run:
                 next_fault += 1
             self.tend_pauses(self.writes())
             time.sleep(0.05)
-        # Let everything finish: each job applied once, nothing frozen.
+        # Let everything finish: each job applied once, nothing frozen. Stop early once nothing
+        # has moved for longer than a lost message takes to come back (visibility timeout,
+        # restore, requeue backoff), so a job that is really gone costs seconds, not minutes.
         deadline = time.monotonic() + 90
+        progress, moved = -1, time.monotonic()
         while time.monotonic() < deadline:
             self.tend_pauses(self.writes())
             applied = self.store.scard("applied")
             if applied >= len(self.jobs) and not self.paused and not self.pauses_pending():
+                break
+            if applied != progress or self.paused:
+                progress, moved = applied, time.monotonic()
+            elif time.monotonic() - moved > STALL:
                 break
             time.sleep(0.1)
 
