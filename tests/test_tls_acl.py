@@ -92,14 +92,17 @@ def error_of(urls: list[str], key: str = "report", **options: Any) -> str:
 # -- it works --------------------------------------------------------------------------------
 
 
-def exercise(urls: list[str], key: str) -> None:
-    """Acquire, renew past several ttls, make a waiter wait and wake it, list, release."""
+def exercise(urls: list[str], key: str, ttl: float) -> None:
+    """Acquire, renew past several ttls, make a waiter wait and wake it, list, release.
+
+    Each thread's first use of a node costs a TLS handshake (about 80 ms here, half of it
+    redis-py loading the system's CA bundle), the renewal thread's included: ``ttl`` leaves
+    room for it on a busy machine."""
     manager = manager_for(urls)
-    ttl = 0.3
     lease = lock(urls, key, ttl=ttl).acquire()
-    end = time.monotonic() + 4 * ttl
+    end = time.monotonic() + 3 * ttl
     while time.monotonic() < end:  # the holding time under test, sampled
-        assert not lease.lost
+        assert not lease.lost, lease.lost_reason
         time.sleep(0.02)
     lease.ensure()
     assert lease.renewals >= 6
@@ -132,11 +135,11 @@ def exercise(urls: list[str], key: str) -> None:
 @pytest.mark.parametrize(("tls", "user"), [(True, None), (False, USER), (True, USER)],
                          ids=["tls", "acl", "tls+acl"])  # fmt: skip
 def test_single_node(site: Site, tls: bool, user: str | None) -> None:
-    exercise([site.url(0, tls=tls, user=user)], f"single-{tls}-{user}")
+    exercise([site.url(0, tls=tls, user=user)], f"single-{tls}-{user}", ttl=0.5)
 
 
 def test_redlock_over_three_tls_proxies(site: Site) -> None:
-    exercise([site.url(i) for i in range(3)], "redlock-tls")
+    exercise([site.url(i) for i in range(3)], "redlock-tls", ttl=1.0)
 
 
 def test_singleton_task_eager_over_tls(site: Site) -> None:
@@ -298,8 +301,10 @@ def test_operator_listing_over_tls_as_an_acl_user(site: Site) -> None:
     assert shown.returncode == 0, shown.stderr
     assert "cli-key" in shown.stdout
     assert f"rediss://{USER}:***@127.0.0.1:{site.proxies[0].port}/0" in shown.stdout
-    assert refused.returncode != 0
-    assert "ACL user 'noscan' may not run" in refused.stderr + refused.stdout
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("Error: cannot list locks on rediss://noscan:***@127.0.0.1:")
+    assert "ACL user 'noscan' may not run" in refused.stderr
+    assert "Traceback" not in refused.stderr
     for output in (shown, refused):
         assert PASSWORD not in output.stdout + output.stderr
 
