@@ -9,10 +9,7 @@ URL (password hidden) and the fix.
 from __future__ import annotations
 
 import logging
-import os
 import select
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +26,7 @@ from celery_dlock.diagnose import ACL_COMMANDS, acl_rules
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
 from celery_dlock.transport import Node, _stale
+from tests.test_cli import dlock as dlock_cli
 from tests.tls import Certificates, TlsProxy, make_certificates, tls_url
 
 pytestmark = pytest.mark.local_redis
@@ -284,13 +282,6 @@ def test_missing_tls_files_are_config_errors(site: Site) -> None:
 
 
 # -- the operator command --------------------------------------------------------------------
-
-
-def dlock_cli(urls: list[str], *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DLOCK_TEST_LOCK_URLS": ",".join(urls), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dlock", *args]
-    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, check=False)  # fmt: skip
 
 
 def test_operator_listing_over_tls_as_an_acl_user(site: Site) -> None:
