@@ -16,16 +16,35 @@ URLs are never printed.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
 from celery_dlock.endpoints import redact
+from celery_dlock.errors import ConfigError, LockUnavailable
 from celery_dlock.redlock import LockInfo, LockManager
 from celery_dlock.registry import manager_for
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _plain_errors(command: F) -> F:
+    """Unreachable nodes and bad settings as one ``Error: ...`` line (the message names each
+    node's URL, password hidden, and the fix), not a traceback."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (LockUnavailable, ConfigError) as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return run  # type: ignore[return-value]
 
 
 def _manager(ctx: click.Context) -> LockManager:
@@ -75,6 +94,7 @@ def dlock(ctx: click.Context) -> None:
 @click.option("--prefix", default="", help="only keys that start with this")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per line")
 @click.pass_context
+@_plain_errors
 def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
     """List held locks: key, task, holder, age, time left, fencing token."""
     manager = _manager(ctx)
@@ -92,6 +112,7 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.pass_context
+@_plain_errors
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one lock."""
     manager = _manager(ctx)
@@ -117,6 +138,7 @@ def _confirm(ctx: click.Context, question: str, yes: bool) -> None:
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.pass_context
+@_plain_errors
 def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
     """Force-release a lock: its holder learns at its next renewal that it lost it."""
     manager = _manager(ctx)
@@ -144,6 +166,7 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.pass_context
+@_plain_errors
 def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
     """Force-release every lock whose key starts with PREFIX."""
     if not prefix:

@@ -16,6 +16,7 @@ are redis-py's own, parsed by redis-py. Passwords never leave this module unreda
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -32,6 +33,12 @@ DEFAULT_SENTINEL_PORT = 26379
 #: Query options that configure the sentinels rather than the master.
 SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username")
 _SECRET_MARKERS = ("password", "secret", "token")
+#: TLS query options that name files, checked when the URL is parsed.
+TLS_FILES = {
+    "ssl_ca_certs": "the CA certificate(s) that signed the server's certificate",
+    "ssl_certfile": "this client's certificate",
+    "ssl_keyfile": "this client's private key",
+}
 
 FIX = (
     "use redis://host:6379/0, rediss:// for TLS, unix:///path/to/socket, "
@@ -236,6 +243,14 @@ def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str
     if raw_query:
         url = f"{url}?{urlencode(query)}" if query else url
     try:
-        return dict(parse_url(url))  # type: ignore[no-untyped-call]
+        options = dict(parse_url(url))  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigError(f"{setting}: {redact(url)!r}: {exc}") from None
+    for name, what in TLS_FILES.items():
+        path = options.get(name)
+        if isinstance(path, str) and not os.path.isfile(path):
+            raise ConfigError(
+                f"{setting}: {redact(url)!r}: {name}={path!r} is not a file; give the path of a "
+                f"PEM file ({what}) that this process can read."
+            )
+    return options

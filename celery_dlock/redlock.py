@@ -27,8 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
-from redis.sentinel import MasterNotFoundError
+from redis.exceptions import RedisError, ResponseError
 
 from celery_dlock.config import (
     Settings,
@@ -39,6 +38,7 @@ from celery_dlock.config import (
     drift,
     quorum,
 )
+from celery_dlock.diagnose import describe
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.holder import Holder, head_token, parse_value, value_head
 from celery_dlock.janitor import janitor
@@ -104,25 +104,6 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    if "HELLO must be called" in text or "NOAUTH" in text:
-        text = (
-            "the server requires a password; put it in the URL "
-            "(redis://:PASSWORD@host:port/db, or redis://USER:PASSWORD@... for an ACL user)"
-        )
-    elif "invalid username-password pair" in text or "WRONGPASS" in text:
-        text = "wrong password or user name in the URL (or the ACL user is disabled)"
-    elif isinstance(exc, MasterNotFoundError):
-        # redis-py appends every sentinel client's repr; the service name is what matters.
-        service = text.split("'")[1] if text.count("'") >= 2 else "?"
-        text = (
-            f"no sentinel named a master for {service!r}: the sentinels are unreachable, or "
-            "none monitors a service of that name (see SENTINEL MASTERS)"
-        )
-    return f"{type(exc).__name__}: {text}"
-
-
 @dataclass(frozen=True)
 class _Request:
     """What one acquire call asks for, checked."""
@@ -156,7 +137,7 @@ class LockManager:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.nodes = [Node(url, settings.node_timeout) for url in settings.urls]
+        self.nodes = [Node(url, settings.node_timeout, settings.prefix) for url in settings.urls]
         self.quorum = quorum(len(self.nodes))
         self.redlock = len(self.nodes) > 1
         self._retention_ms = _ms(settings.fence_retention)
@@ -306,7 +287,7 @@ class LockManager:
                 baton += 1
                 continue
             baton = 0
-            woken_from = self._wait_for_release(keys[2], outcome, give_up, ttl)
+            woken_from = self._wait_for_release(key, keys[2], outcome, give_up, ttl)
 
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | _Refusal:
         """One acquisition round on every node; a lease, or why not."""
@@ -332,7 +313,7 @@ class LockManager:
         errors: list[tuple[str, str]] = []
         for i, reply in enumerate(replies):
             if isinstance(reply, BaseException):
-                errors.append((self.nodes[i].shown, _describe(reply)))
+                errors.append((self.nodes[i].shown, describe(reply, self.nodes[i])))
             elif reply[0] == 1:
                 fences[i] = int(reply[1])
             elif reply[0] == 0:
@@ -450,7 +431,7 @@ class LockManager:
         return done >= self.quorum
 
     def _wait_for_release(
-        self, signal_key: str, refusal: _Refusal, give_up: float | None, ttl: float
+        self, key: str, signal_key: str, refusal: _Refusal, give_up: float | None, ttl: float
     ) -> str | None:
         """Block until a release signal, the holder's expiry, or the end of our wait.
 
@@ -472,16 +453,26 @@ class LockManager:
         order = list(refusal.answered) + [
             i for i in range(len(self.nodes)) if i not in refusal.answered
         ]
+        refused: list[tuple[str, str]] = []
         for i in order:
             block = until - time.monotonic()
             if block <= 0.001:
                 return None
+            node = self.nodes[i]
             try:
-                popped = blocking_pop(self.nodes[i], signal_key, block)
+                popped = blocking_pop(node, signal_key, block)
+            except ResponseError as exc:
+                # The node answered but will not let us wait (an ACL user without BLPOP):
+                # trying again at once would only spin.
+                refused.append((node.shown, describe(exc, node)))
+                continue
             except (RedisError, OSError) as exc:
-                log_acquire.debug("cannot wait on %s: %s", self.nodes[i].shown, exc)
+                log_acquire.debug("cannot wait on %s: %s", node.shown, exc)
                 continue
             return None if popped is None else popped.decode(errors="replace")
+        if refused:
+            first = "; ".join(f"{shown}: {err}" for shown, err in refused[:3])
+            raise LockUnavailable(f"cannot wait for {key!r}: {first}", key=key, errors=refused)
         return None  # no node to wait on; the next attempt will report the outage
 
     # -- release ---------------------------------------------------------------------------
@@ -516,11 +507,13 @@ class LockManager:
         if confirmed is None:
             return False
         failed = [
-            self.nodes[i].shown for i, r in enumerate(replies) if isinstance(r, BaseException)
+            f"{node.shown} ({describe(r, node)})"
+            for node, r in zip(self.nodes, replies, strict=True)
+            if isinstance(r, BaseException)
         ]
         if failed:
             log_release.warning(
-                "release of key=%s token=%s did not reach %s; it expires there within %g s",
+                "release of key=%s token=%s failed on %s; it expires there within %g s",
                 lease.key,
                 lease.token,
                 ", ".join(failed),
@@ -605,7 +598,7 @@ class LockManager:
                 "answered",
                 key=key,
                 errors=[
-                    (node.shown, _describe(r))
+                    (node.shown, describe(r, node))
                     for node, r in zip(self.nodes, replies, strict=True)
                     if isinstance(r, BaseException)
                 ],
@@ -630,11 +623,12 @@ class LockManager:
                     name = raw.decode() if isinstance(raw, bytes) else str(raw)
                     found.add(name[start:-1])
             except RedisError as exc:
-                if not self.redlock:
+                # A down node does not stop a Redlock listing; a refusal (ACL) would hide keys.
+                if not self.redlock or isinstance(exc, ResponseError):
                     raise LockUnavailable(
-                        f"cannot list locks on {node.shown}: {exc}",
+                        f"cannot list locks on {node.shown}: {describe(exc, node)}",
                         key=prefix,
-                        errors=[(node.shown, _describe(exc))],
+                        errors=[(node.shown, describe(exc, node))],
                     ) from exc
             finally:
                 client.close()
@@ -685,13 +679,16 @@ class LockManager:
         started = time.monotonic()
         timeout = max(0.001, min(self.settings.node_timeout, *(x.valid_for for x in leases)))
         replies = run_script(self.nodes, "extend", keys, args, timeout)
-        failed = [r for r in replies if isinstance(r, BaseException)]
+        failed = [
+            (n, r) for n, r in zip(self.nodes, replies, strict=True) if isinstance(r, BaseException)
+        ]
         if failed:
             log_renew.warning(
-                "renewal: %d of %d node(s) did not answer: %s",
+                "renewal: %d of %d node(s) did not answer: %s: %s",
                 len(failed),
                 len(self.nodes),
-                _describe(failed[0]),
+                failed[0][0].shown,
+                describe(failed[0][1], failed[0][0]),
             )
         out: list[str | None] = []
         for j, lease in enumerate(leases):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import select
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -41,8 +42,9 @@ Connection = Any
 class Node:
     """One Redis master: a redis-py client, its scripts, and one connection per thread."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
         self.url = url
+        self.prefix = prefix  # the keys' prefix, for error messages about ACL key patterns
         self.endpoint = endpoints.parse(url)
         self.shown = self.endpoint.shown
         self.timeout = timeout
@@ -193,10 +195,13 @@ def _stale(conn: Connection) -> bool:
     """True if an idle connection has data or EOF waiting: it can no longer be trusted.
 
     One ``poll()`` on the socket; our connections never leave a reply unread in the parser.
+    With TLS, decrypted bytes can wait in the TLS layer where ``poll()`` does not see them.
     """
     sock = getattr(conn, "_sock", None)
     if sock is None:
         return False
+    if isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):
+        return True
     try:
         poller = select.poll()
         poller.register(sock, select.POLLIN)
@@ -402,7 +407,26 @@ def _stale_set(conns: Sequence[Connection], todo: Sequence[int]) -> set[int]:
         if sock is not None:
             by_fd[sock.fileno()] = i
             poller.register(sock, select.POLLIN)
-    return {by_fd[fd] for fd, _ in poller.poll(0)}
+    stale = {by_fd[fd] for fd, _ in poller.poll(0)}
+    for i in by_fd.values():
+        sock = conns[i]._sock
+        if i not in stale and isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):
+            stale.add(i)
+    return stale
+
+
+def _tls_pending(sock: ssl.SSLSocket) -> bool:
+    """True if the TLS layer holds decrypted bytes nobody has read (invisible to ``poll()``).
+
+    Our reads take whole TLS records, so this is only ever true when something else read part
+    of one; then an idle connection has data waiting, and is stale like one ``poll()`` flags.
+    Replies to a command just sent need no such check: their bytes reach the socket, where
+    ``poll()`` sees them, before anything reads them into the TLS layer.
+    """
+    try:
+        return sock.pending() > 0
+    except (OSError, ValueError):
+        return True
 
 
 def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:

@@ -12,6 +12,7 @@ from celery import Celery
 from celery_dlock import ConfigError, DLockConfigWarning, lock
 from celery_dlock.config import Settings
 from celery_dlock.endpoints import redact
+from tests.clients import client
 
 GOOD = ["redis://127.0.0.1:1/0"]
 
@@ -73,6 +74,12 @@ def test_key_must_be_non_empty_and_bounded() -> None:
         (["redis://h:port/0"], "port that is not a number"),
         (["redis://h:6379/zero"], "database 'zero'; the path must be a number"),
         (["unix://"], "names no socket path"),
+        (
+            ["rediss://u:pw@h:6380/0?ssl_ca_certs=/nonexistent/ca.pem"],
+            "'rediss://u:***@h:6380/0?ssl_ca_certs=/nonexistent/ca.pem': "
+            "ssl_ca_certs='/nonexistent/ca.pem' is not a file; give the path of a PEM file",
+        ),
+        (["rediss://h/0?ssl_certfile=/no/client.crt"], "ssl_certfile='/no/client.crt' is not"),
         ([42], "42 is a int, not a URL string"),
         (
             {"redis://h"},
@@ -174,13 +181,26 @@ def runtime_error(urls: list[str], key: str = "report") -> str:
 
 @pytest.mark.local_redis
 def test_runtime_bad_input_table() -> None:
+    from celery_dlock.diagnose import acl_rules
     from celery_dlock.testing import RedisServer, free_port
+    from tests.tls import TlsProxy, make_certificates, tls_url
 
     down = f"redis://127.0.0.1:{free_port()}/0"
-    with RedisServer(extra_args=["--requirepass", "s3cret"]) as guarded:
+    certs = make_certificates()
+    with (
+        RedisServer(extra_args=["--requirepass", "s3cret"]) as guarded,
+        TlsProxy(guarded.port, certs) as proxy,
+    ):
         wrong = f"redis://:nope@127.0.0.1:{guarded.port}/0"
         missing = f"redis://127.0.0.1:{guarded.port}/0"
         right = f"redis://:s3cret@127.0.0.1:{guarded.port}/0"
+        limited = acl_rules().replace(" +evalsha", "")
+        client(right).execute_command("ACL", "SETUSER", "nosha", "on", ">s3cret", *limited.split())
+        nosha = f"redis://nosha:s3cret@127.0.0.1:{guarded.port}/0"
+        to_tls = f"redis://:s3cret@127.0.0.1:{proxy.port}/0"
+        no_cert = tls_url(proxy.port, certs, auth=":s3cret", client_cert=False)
+        wrong_ca = tls_url(proxy.port, certs, auth=":s3cret", ca=certs.other_ca_file)
+        to_plain = tls_url(guarded.port, certs, auth=":s3cret")
         table = {
             "Redis down": (
                 runtime_error([down]),
@@ -203,6 +223,30 @@ def test_runtime_bad_input_table() -> None:
                 runtime_error([right], key="k" * 5000),
                 "ConfigError: lock key is 5000 characters, over the 1024 limit; hash the "
                 "variable part (hashlib.sha256(...).hexdigest()).",
+            ),
+            "ACL user without a needed command": (
+                runtime_error([nosha]),
+                "(redis://nosha:***@127.0.0.1:"
+                f"{guarded.port}/0: NoPermissionError: ACL user 'nosha' may not run a command "
+                "or use a key that celery_dlock needs (this user has no permissions to run the "
+                "'evalsha' command or its subcommand); grant them with: ACL SETUSER nosha "
+                f"{acl_rules()})",
+            ),
+            "redis:// to a TLS port": (
+                runtime_error([to_tls]),
+                "if this port expects TLS, use rediss:// with ssl_ca_certs=",
+            ),
+            "wrong CA": (
+                runtime_error([wrong_ca]),
+                "is not signed by a CA this client trusts: add ssl_ca_certs=/path/to/ca.pem",
+            ),
+            "no client certificate": (
+                runtime_error([no_cert]),
+                "requires a client certificate it trusts: add ssl_certfile=/path/to/client.crt",
+            ),
+            "rediss:// to a plain port": (
+                runtime_error([to_plain]),
+                "no TLS handshake from the server: if this port serves plain Redis, use redis://",
             ),
         }
         for case, (got, expected) in table.items():
