@@ -190,9 +190,7 @@ class ClusterNode(Node):
                     try:
                         self._cluster = self.endpoint.client(self.timeout)
                     except (RedisError, RedisClusterException, OSError) as exc:
-                        raise RedisConnectionError(
-                            f"cannot reach Redis Cluster {self.shown}: {exc}"
-                        ) from exc
+                        raise RedisConnectionError(f"cannot reach the cluster: {exc}") from exc
                 client = self._cluster
         return client
 

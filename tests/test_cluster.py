@@ -20,6 +20,7 @@ from celery_dlock import ConfigError, LockContended, LockUnavailable, lock
 from celery_dlock.holder import value_head
 from celery_dlock.redlock import LockManager, revoked_key, void_key
 from celery_dlock.registry import manager_for
+from celery_dlock.testing import free_port
 from tests.celery_fixtures import Mode, with_db
 from tests.cluster import Cluster, redis_cluster
 from tests.test_cli import dlock
@@ -280,3 +281,24 @@ def test_singleton_tasks_in_a_worker_on_the_cluster(
     owners = {cluster.owner(f"dlock:{{{e['key']}}}") for e in started}
     assert len(owners) >= 2, f"every task key hashed to one master: {started}"
     assert all(e["token"] for e in started)
+
+
+# -- misconfiguration --------------------------------------------------------------------------
+
+
+def test_an_unreachable_cluster_is_unavailable_with_the_password_hidden() -> None:
+    url = f"redis+cluster://:s3cret@127.0.0.1:{free_port()}"
+    with pytest.raises(LockUnavailable) as info, lock([url], "k"):
+        pass
+    text = str(info.value)
+    assert "cannot reach the cluster" in text
+    assert "s3cret" not in text
+    assert "redis+cluster://:***@127.0.0.1:" in text
+
+
+def test_a_plain_url_for_a_cluster_node_says_to_use_redis_cluster(cluster: Cluster) -> None:
+    node = cluster.masters[0]
+    key = next(k for k in spread_keys(cluster) if cluster.owner(f"dlock:{{{k}}}") != node.port)
+    plain = f"redis://127.0.0.1:{node.port}/0"
+    with pytest.raises(LockUnavailable, match=r"must be redis\+cluster://"), lock([plain], key):
+        pass
