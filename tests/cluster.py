@@ -62,22 +62,27 @@ class Cluster:
     """The running masters and the ``redis+cluster://`` URL that reaches them."""
 
     masters: list[RedisServer]
+    password: str | None = None
+
+    @property
+    def _auth(self) -> str:
+        return f":{self.password}@" if self.password else ""
 
     @property
     def url(self) -> str:
         """The lock URL, seeded with every master (one would do)."""
         hosts = ",".join(f"127.0.0.1:{m.port}" for m in self.masters)
-        return f"redis+cluster://{hosts}"
+        return f"redis+cluster://{self._auth}{hosts}"
 
     @property
     def seed_url(self) -> str:
         """The lock URL with one seed (the cluster names the rest): no comma, so it fits in
         the comma-separated ``DLOCK_TEST_LOCK_URLS`` of the worker and command tests."""
-        return f"redis+cluster://127.0.0.1:{self.masters[0].port}"
+        return f"redis+cluster://{self._auth}127.0.0.1:{self.masters[0].port}"
 
     def client(self, server: RedisServer) -> redis.Redis:
         """A plain client for one master (the caller closes it)."""
-        return redis.Redis(port=server.port, socket_timeout=5)
+        return _client(server, self.password)
 
     def owner(self, key: str) -> int:
         """The port of the master that owns ``key``'s hash slot, as the cluster says."""
@@ -100,8 +105,12 @@ class Cluster:
                 conn.close()
 
 
-def _state_ok(server: RedisServer) -> bool:
-    conn = redis.Redis(port=server.port, socket_timeout=1)
+def _client(server: RedisServer, password: str | None) -> redis.Redis:
+    return redis.Redis(port=server.port, password=password, socket_timeout=5)
+
+
+def _state_ok(server: RedisServer, password: str | None) -> bool:
+    conn = _client(server, password)
     try:
         info = conn.execute_command("CLUSTER", "INFO")
     except redis.RedisError:
@@ -113,8 +122,10 @@ def _state_ok(server: RedisServer) -> bool:
 
 
 @contextmanager
-def redis_cluster(masters: int = 3) -> Iterator[Cluster]:
-    """Start a cluster of ``masters`` masters; every server is stopped and removed on exit."""
+def redis_cluster(masters: int = 3, *, password: str | None = None) -> Iterator[Cluster]:
+    """Start a cluster of ``masters`` masters (each requiring ``password``, if given); every
+    server is stopped and removed on exit."""
+    auth = ["--requirepass", password, "--masterauth", password] if password else []
     servers: list[RedisServer] = []
     try:
         for _ in range(masters):
@@ -123,10 +134,13 @@ def redis_cluster(masters: int = 3) -> Iterator[Cluster]:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(server.directory / "nodes.conf"),
                 "--cluster-node-timeout", "5000",
+                *auth,
             ]  # fmt: skip
             servers.append(server.start())
         hosts = [f"127.0.0.1:{s.port}" for s in servers]
         create = [cli_binary(), "--cluster", "create", *hosts, "--cluster-replicas", "0"]
+        if password:
+            create += ["-a", password, "--no-auth-warning"]
         created = subprocess.run(
             [*create, "--cluster-yes"],
             capture_output=True,
@@ -140,11 +154,11 @@ def redis_cluster(masters: int = 3) -> Iterator[Cluster]:
                 f"{created.stderr.decode(errors='replace')[-2000:]}"
             )
         deadline = time.monotonic() + READY_TIMEOUT
-        while not all(_state_ok(s) for s in servers):
+        while not all(_state_ok(s, password) for s in servers):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok within {READY_TIMEOUT} s")
             time.sleep(0.05)  # polling the cluster state, bounded by the deadline
-        yield Cluster(servers)
+        yield Cluster(servers, password)
     finally:
         for server in servers:
             server.close()

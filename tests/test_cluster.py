@@ -309,6 +309,23 @@ def test_an_unreachable_cluster_is_unavailable_with_the_password_hidden() -> Non
     assert "redis+cluster://:***@127.0.0.1:" in text
 
 
+def test_a_cluster_with_a_password_locks_and_never_shows_it() -> None:
+    with redis_cluster(3, password="s3cret-pw") as secured:
+        keys = spread_keys(secured, 6)
+        for key in keys:
+            with lock([secured.url], key, ttl=5) as lease:
+                assert lease.token > 0
+        wrong = secured.url.replace("s3cret-pw", "wrong-pw")
+        with pytest.raises(LockUnavailable) as info, lock([wrong], "k"):
+            pass
+        text = str(info.value)
+        assert "wrong password" in text
+        assert "wrong-pw" not in text
+        listed = dlock([secured.seed_url], "list")
+        assert listed.returncode == 0, listed.stderr
+        assert "s3cret-pw" not in listed.stdout + listed.stderr
+
+
 def test_a_plain_url_for_a_cluster_node_says_to_use_redis_cluster(cluster: Cluster) -> None:
     node = cluster.masters[0]
     key = next(k for k in spread_keys(cluster) if cluster.owner(f"dlock:{{{k}}}") != node.port)
