@@ -9,6 +9,9 @@ against one shared deadline: N nodes cost one round trip plus N small writes and
 Connections are redis-py ``Connection`` objects built from the node's pool settings, so URL
 options, TLS, authentication and the hiredis parser work as in redis-py. Scripts are redis-py
 ``Script`` objects registered on each node's client; their SHA is what we send.
+
+A Redis Cluster is one node (:class:`ClusterNode`) whose calls are routed by the hash slot of
+their keys to the master that owns it (a :class:`Shard`, reached the same way as a plain node).
 """
 
 from __future__ import annotations
