@@ -62,7 +62,14 @@ def check_urls(urls: Any, setting: str = "dlock_urls") -> tuple[str, ...]:
         )
     seen: dict[tuple[str, ...], str] = {}
     for url in urls:
-        ident = endpoints.parse(url, setting).identity()
+        endpoint = endpoints.parse(url, setting)
+        if endpoint.kind == "cluster" and len(urls) > 1:
+            raise ConfigError(
+                f"{setting}: {endpoint.shown!r} is a Redis Cluster, which is one lock node; give "
+                f"it as the only {setting} entry (the cluster spreads keys over its masters), "
+                "or list independent masters (redis://...) for Redlock."
+            )
+        ident = endpoint.identity()
         if ident in seen:
             raise ConfigError(
                 f"{setting}: {redact(url)!r} and {redact(seen[ident])!r} name the same Redis "

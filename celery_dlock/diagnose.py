@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from redis.exceptions import NoPermissionError
+from redis.exceptions import MovedError, NoPermissionError
 from redis.sentinel import MasterNotFoundError
 
 if TYPE_CHECKING:
@@ -92,6 +92,8 @@ def describe(exc: BaseException, node: Node | None = None) -> str:
         text = "wrong password or user name in the URL (or the ACL user is disabled)"
     elif isinstance(exc, NoPermissionError) or "user executing the script can't" in text:
         text = _permission(text, node)
+    elif isinstance(exc, MovedError):
+        text += " (a Redis Cluster node; a plain redis:// URL for it must be redis+cluster://)"
     elif isinstance(exc, MasterNotFoundError):
         # redis-py appends every sentinel client's repr; the service name is what matters.
         service = text.split("'")[1] if text.count("'") >= 2 else "?"

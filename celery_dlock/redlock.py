@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from celery_dlock.config import (
     Settings,
@@ -45,7 +46,14 @@ from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
-from celery_dlock.transport import Node, Reply, blocking_pop, run_script, send_script
+from celery_dlock.transport import (
+    Node,
+    Reply,
+    blocking_pop,
+    node_for,
+    run_script,
+    send_script,
+)
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -137,13 +145,18 @@ class LockManager:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.nodes = [Node(url, settings.node_timeout, settings.prefix) for url in settings.urls]
+        self.nodes: list[Node] = [
+            node_for(url, settings.node_timeout, settings.prefix) for url in settings.urls
+        ]
         self.quorum = quorum(len(self.nodes))
         self.redlock = len(self.nodes) > 1
+        #: A Redis Cluster (always the only node): one script call may touch only one slot.
+        self.cluster = any(node.cluster for node in self.nodes)
         self._retention_ms = _ms(settings.fence_retention)
 
     def __repr__(self) -> str:
         kind = f"Redlock over {len(self.nodes)} nodes" if self.redlock else "single Redis"
+        kind = "Redis Cluster" if self.cluster else kind
         return f"<LockManager {kind}: {', '.join(n.shown for n in self.nodes)}>"
 
     # -- keys ------------------------------------------------------------------------------
@@ -235,6 +248,11 @@ class LockManager:
     ) -> Lease:
         key = request.key
         ttl = request.ttl
+        if self.cluster and key.startswith("}"):
+            raise ConfigError(
+                f"lock key {key!r} starts with '}}': on Redis Cluster that empties the "
+                "{hash tag} that keeps a lock's keys in one slot; put any other character first."
+            )
         keys = self.redis_keys(key)
         begun = time.monotonic()
         give_up = None if wait is None else begun + wait
@@ -622,7 +640,7 @@ class LockManager:
                 for raw in client.scan_iter(match=pattern, count=500):
                     name = raw.decode() if isinstance(raw, bytes) else str(raw)
                     found.add(name[start:-1])
-            except RedisError as exc:
+            except (RedisError, RedisClusterException) as exc:
                 # A down node does not stop a Redlock listing; a refusal (ACL) would hide keys.
                 if not self.redlock or isinstance(exc, ResponseError):
                     raise LockUnavailable(
@@ -665,11 +683,27 @@ class LockManager:
     # -- renew (called by the watchdog) ----------------------------------------------------
 
     def renew(self, leases: Sequence[Lease]) -> list[str | None]:
-        """Extend every lease in one script call per node.
+        """Extend every lease in one script call per node (per hash slot on Redis Cluster).
 
         Returns, per lease, ``None`` when renewed or undecided (nodes did not answer; the
         watchdog retries until the lease's validity runs out), or the reason it is lost.
         """
+        if not self.cluster:
+            return self._renew_batch(leases)
+        # A script may touch one slot only: one call per slot, in turn, each bounded by the
+        # validity of its own leases.
+        by_slot: dict[int, list[int]] = {}
+        for i, lease in enumerate(leases):
+            by_slot.setdefault(key_slot(self.redis_keys(lease.key)[0].encode()), []).append(i)
+        out: list[str | None] = [None] * len(leases)
+        for group in by_slot.values():
+            outcomes = self._renew_batch([leases[i] for i in group])
+            for i, outcome in zip(group, outcomes, strict=True):
+                out[i] = outcome
+        return out
+
+    def _renew_batch(self, leases: Sequence[Lease]) -> list[str | None]:
+        """:meth:`renew` for leases whose keys one script call may touch together."""
         keys: list[str] = []
         args: list[Any] = ["1" if self.redlock else "0", self._retention_ms]
         for lease in leases:

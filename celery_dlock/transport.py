@@ -9,6 +9,9 @@ against one shared deadline: N nodes cost one round trip plus N small writes and
 Connections are redis-py ``Connection`` objects built from the node's pool settings, so URL
 options, TLS, authentication and the hiredis parser work as in redis-py. Scripts are redis-py
 ``Script`` objects registered on each node's client; their SHA is what we send.
+
+A Redis Cluster is one node (:class:`ClusterNode`) whose calls are routed by the hash slot of
+their keys to the master that owns it (a :class:`Shard`, reached the same way as a plain node).
 """
 
 from __future__ import annotations
@@ -21,12 +24,21 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.commands.core import Script
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock import endpoints, forks, scripts
@@ -40,17 +52,29 @@ Connection = Any
 
 
 class Node:
-    """One Redis master: a redis-py client, its scripts, and one connection per thread."""
+    """One Redis master: a redis-py client, its scripts, and one connection per thread.
+
+    Also the base of :class:`ClusterNode` (a whole Redis Cluster as one lock node), which
+    routes each call to a :class:`Shard`, itself a ``Node`` for one master of the cluster.
+    """
+
+    #: True for a :class:`ClusterNode`: calls must be routed by the hash slot of their keys.
+    cluster = False
+    #: The cluster a :class:`Shard` belongs to (None for a plain node).
+    owner: ClusterNode | None = None
 
     def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
         self.url = url
         self.prefix = prefix  # the keys' prefix, for error messages about ACL key patterns
         self.endpoint = endpoints.parse(url)
-        self.shown = self.endpoint.shown
+        self._setup(self.endpoint.shown, timeout, self.endpoint.client(timeout))
+
+    def _setup(self, shown: str, timeout: float, client: redis.Redis) -> None:
+        self.shown = shown
         self.timeout = timeout
-        self.client: redis.Redis = self.endpoint.client(timeout)
+        self.client = client
         self.scripts: dict[str, Script] = {
-            name: self.client.register_script(source) for name, source in scripts.ALL.items()
+            name: client.register_script(source) for name, source in scripts.ALL.items()
         }
         self._local = threading.local()
         self._pid = forks.pid()
@@ -100,10 +124,200 @@ class Node:
 
     def close(self) -> None:
         """Close this thread's connections and the client's pool."""
+        self._close_connections()
+        self.client.close()
+
+    def _close_connections(self) -> None:
         conns: _ThreadConnections | None = getattr(self._local, "conns", None)
         if conns is not None:
             conns.close()
-        self.client.close()
+
+    def route(self, key: str) -> Node:
+        """The node that holds ``key``: this one (a :class:`ClusterNode` picks its shard)."""
+        return self
+
+
+def node_for(url: str, timeout: float, prefix: str = "dlock") -> Node:
+    """The lock node for one ``dlock_urls`` entry: a :class:`ClusterNode` for a Cluster URL."""
+    if endpoints.parse(url).kind == "cluster":
+        return ClusterNode(url, timeout, prefix)
+    return Node(url, timeout, prefix)
+
+
+#: Redirections (MOVED, ASK) and TRYAGAIN retries one Cluster call follows before giving up.
+CLUSTER_REDIRECTS = 5
+#: Pause before retrying a TRYAGAIN (keys of one slot split by a migration in progress).
+TRYAGAIN_PAUSE = 0.01
+
+
+class ClusterNode(Node):
+    """A whole Redis Cluster as one lock node: each call goes to the master of its keys' slot.
+
+    Every key one lock touches carries the hash tag ``{key}`` (``LockManager.redis_keys``), so
+    each call names keys of a single slot. redis-py's ``RedisCluster`` keeps the slot map; it
+    is made on first use (it connects). Each master is a :class:`Shard`, reached over the same
+    per-thread connections as a plain node, so a routed call costs what a plain one does.
+
+    MOVED reloads the slot map and sends the call again; ASK sends it once to the importing
+    master after ``ASKING``; TRYAGAIN (a slot half migrated) is retried briefly. Any other
+    failure (a dead master, CLUSTERDOWN) is the call's reply, and the slot map is reloaded
+    before the next call, which finds the master a failover promoted.
+    """
+
+    cluster = True
+
+    def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
+        # No Node.__init__: a cluster has no one client.
+        self.url = url
+        self.prefix = prefix
+        self.endpoint = endpoints.parse(url)
+        self.shown = self.endpoint.shown
+        self.timeout = timeout
+        self._down_until = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = forks.pid()
+        self._guard = threading.Lock()
+        self._cluster: Any = None  # redis.cluster.RedisCluster, made on first use
+        self._shards: dict[str, Shard] = {}
+        self._reload = False
+
+    def __repr__(self) -> str:
+        return f"<ClusterNode {self.shown}>"
+
+    def cluster_client(self) -> Any:
+        """redis-py's ``RedisCluster`` for this node; ``ConnectionError`` if none answers."""
+        if self._pid != forks.pid():
+            self._reset()  # a forked child makes its own client, sockets and locks
+        client = self._cluster
+        if client is None:
+            with self._guard:
+                if self._cluster is None:
+                    try:
+                        self._cluster = self.endpoint.client(self.timeout)
+                    except (RedisError, RedisClusterException, OSError) as exc:
+                        raise RedisConnectionError(f"cannot reach the cluster: {exc}") from exc
+                client = self._cluster
+        return client
+
+    def reload_later(self) -> None:
+        """Reload the slot map before the next call (after MOVED or a failed master)."""
+        self._reload = True
+
+    def route(self, key: str) -> Shard:
+        """The master that owns ``key``'s hash slot; ``RedisError`` when none does."""
+        client = self.cluster_client()
+        if self._reload:
+            self._reload = False
+            try:
+                client.nodes_manager.initialize()
+            except (RedisError, RedisClusterException, OSError) as exc:
+                self._reload = True
+                raise RedisConnectionError(
+                    f"cannot reload the slots of {self.shown}: {exc}"
+                ) from exc
+        try:
+            master = client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+        except (RedisClusterException, KeyError, IndexError) as exc:
+            self._reload = True
+            raise ClusterDownError(
+                f"{self.shown}: no master serves the slot of {key!r}: {exc}"
+            ) from exc
+        return self._shard(client, master)
+
+    def _shard(self, client: Any, master: Any) -> Shard:
+        shard = self._shards.get(master.name)
+        if shard is None:
+            with self._guard:
+                shard = self._shards.get(master.name)
+                if shard is None:
+                    redis_client = client.get_redis_connection(master)
+                    shard = self._shards[master.name] = Shard(self, master.name, redis_client)
+        return shard
+
+    def run(self, name: str, keys: Sequence[str], args: Sequence[Any], timeout: float) -> Reply:
+        """Run script ``name`` on the master of ``keys``' slot: its reply, or an exception."""
+        deadline = time.monotonic() + timeout
+        reply: Reply = None
+        for _ in range(CLUSTER_REDIRECTS):
+            left = deadline - time.monotonic()
+            try:
+                shard = self.route(keys[0])
+            except RedisError as exc:
+                return exc
+            reply = run_script([shard], name, keys, args, max(left, 0.001))[0]
+            if isinstance(reply, AskError) and not isinstance(reply, MovedError):
+                reply = self._ask(reply, name, keys, args)
+            if isinstance(reply, AskError):  # MOVED, or MOVED back from the importing master
+                self.reload_later()
+            elif isinstance(reply, TryAgainError):
+                time.sleep(max(0.0, min(TRYAGAIN_PAUSE, deadline - time.monotonic())))
+            else:
+                if isinstance(reply, RedisConnectionError | RedisTimeoutError | ClusterDownError):
+                    self.reload_later()
+                return reply
+            if time.monotonic() >= deadline:
+                break
+        return reply
+
+    def _ask(self, asked: AskError, name: str, keys: Sequence[str], args: Sequence[Any]) -> Reply:
+        """Send the call once to the master importing the slot, after ``ASKING``.
+
+        Sent as source (``EVAL``): a retry after NOSCRIPT would lack the ``ASKING``. Blocks up
+        to the socket timeout: this happens only while an operator migrates the slot.
+        """
+        try:
+            client = self.cluster_client()
+            master = client.get_node(host=asked.host, port=asked.port)
+        except RedisError as exc:
+            return exc
+        if master is None:  # a master the slot map does not know yet
+            self.reload_later()
+            return asked
+        shard = self._shard(client, master)
+        conn = shard.connection()
+        try:
+            if not is_connected(conn):
+                conn.connect()
+            _drain(shard, conn)
+            source = shard.scripts[name].script
+            commands = [("ASKING",), ("EVAL", source, len(keys), *keys, *args)]
+            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            asking = _read(conn)
+            reply = _read(conn)
+        except (RedisError, OSError) as exc:
+            conn.disconnect()
+            return exc
+        except BaseException:
+            conn.disconnect()
+            raise
+        return asking if isinstance(asking, BaseException) else reply
+
+    def close(self) -> None:
+        """Close this thread's connections to every master and the cluster client."""
+        for shard in list(self._shards.values()):
+            shard.close()
+        if self._cluster is not None:
+            self._cluster.close()
+
+
+class Shard(Node):
+    """One master of a Redis Cluster, reached like a plain node (see :class:`ClusterNode`)."""
+
+    def __init__(self, owner: ClusterNode, name: str, client: redis.Redis) -> None:
+        self.url = owner.url
+        self.prefix = owner.prefix
+        self.endpoint = owner.endpoint
+        self.owner = owner
+        self._setup(f"{owner.shown} (master {name})", owner.timeout, client)
+
+    def __repr__(self) -> str:
+        return f"<Shard {self.shown}>"
+
+    def close(self) -> None:
+        """Close this thread's connections; the cluster client owns the master's pool."""
+        self._close_connections()
 
 
 class _ThreadConnections(dict[str, Connection]):
@@ -224,6 +438,8 @@ def run_script(
     can never be mistaken for the answer to a later command). Nodes that forgot the script
     (restart, ``SCRIPT FLUSH``) get its source in a second round, again all at once.
     """
+    if nodes and nodes[0].cluster:  # a Cluster is always the only node (config.check_urls)
+        return [cast(ClusterNode, nodes[0]).run(name, keys, args, timeout)]
     conns = [node.connection() for node in nodes]
     replies: list[Reply] = [_PENDING] * len(nodes)
     several = len(nodes) > 1
@@ -259,6 +475,12 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
     releases at the end of a task, where waiting for the reply would only delay the next task.
     """
     packed: dict[bool, Any] = {}
+    if nodes and nodes[0].cluster:
+        try:
+            nodes = [nodes[0].route(keys[0])]
+        except RedisError as exc:
+            log.debug("could not send %s to %s: %s", name, nodes[0].shown, exc)
+            return
     for node in nodes:
         if len(nodes) > 1 and node.down:
             continue
@@ -311,14 +533,18 @@ def _drain(node: Node, conn: Connection) -> None:
         if not is_connected(conn):
             return
         while owed:
-            name, keys, args = owed[0]
+            name, keys, args = owed.pop(0)
             try:  # the reply is almost always there already; the socket timeout bounds it
                 conn.read_response()
             except NoScriptError:
                 source = node.scripts[name].script
                 conn.send_command("EVAL", source, len(keys), *keys, *args)
                 conn.read_response()
-            owed.pop(0)
+            except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
+                if node.owner is None:
+                    raise
+                node.owner.reload_later()
+                node.owner.run(name, keys, args, node.timeout)
     except (RedisError, OSError) as exc:
         log.debug("reply owed by %s lost: %s", node.shown, exc)
         conn.disconnect()
@@ -437,6 +663,7 @@ def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
     interrupted wait drops its connection, or its BLPOP would go on to swallow a wake-up
     meant for another waiter.
     """
+    node = node.route(key)
     conn = node.connection("wait")
     if is_connected(conn) and _stale(conn):
         conn.disconnect()
@@ -446,8 +673,10 @@ def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
         if not conn.can_read(seconds + node.timeout):
             raise RedisTimeoutError(f"BLPOP on {node.shown} did not answer")
         reply = conn.read_response()
-    except BaseException:
+    except BaseException as exc:
         conn.disconnect()
+        if node.owner is not None and isinstance(exc, RedisError):
+            node.owner.reload_later()  # MOVED, or a master gone: look again next time
         raise
     if not reply:
         return None

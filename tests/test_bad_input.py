@@ -66,6 +66,13 @@ def test_key_must_be_non_empty_and_bounded() -> None:
         (["redis+sentinel://a:x/mymaster"], "has port 'x', which is not a number"),
         (["redis+sentinel://a/mymaster/zero"], "the path may hold only a database number"),
         (["redis+cluster://a:7000/2"], "Redis Cluster has only database 0"),
+        (["redis+cluster://a:x,b:7001"], "has port 'x', which is not a number"),
+        (["redis+cluster://a:7000,"], "has an empty host in its host list"),
+        (
+            ["redis+cluster://a:7000,b:7001", "redis://c", "redis://d"],
+            "'redis+cluster://a:7000,b:7001' is a Redis Cluster, which is one lock node; give it "
+            "as the only dlock_urls entry",
+        ),
         (
             ["redis+sentinel://a,b/m/0", "redis+sentinel://b,a/m/1", "redis://c"],
             "name the same Redis server",
@@ -112,6 +119,13 @@ def test_passwords_never_appear_in_errors() -> None:
         redact("redis+sentinel://:pw@a:1,b:2/m/0?sentinel_password=spw&ssl_certfile=/c")
         == "redis+sentinel://:***@a:1,b:2/m/0?sentinel_password=***&ssl_certfile=/c"
     )
+
+
+def test_cluster_passwords_never_appear_in_errors() -> None:
+    with pytest.raises(ConfigError) as info:
+        lock(["redis+cluster://:s3cret@a:7000,b:7001", "redis://c", "redis://d"], "k")
+    assert "s3cret" not in str(info.value)
+    assert "redis+cluster://:***@a:7000,b:7001" in str(info.value)
 
 
 def test_an_even_node_count_warns_with_its_quorum() -> None:
