@@ -47,6 +47,18 @@ def server_binary() -> str:
     )
 
 
+def terminate(process: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """SIGTERM ``process`` and wait for it; SIGKILL if it has not exited after ``timeout``."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -141,13 +153,7 @@ class RedisServer:
             return
         if self.paused:
             self.resume()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
         self.process = None
 
     def kill(self) -> None:

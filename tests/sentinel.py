@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from celery_dlock.testing import RedisServer, free_port, server_binary
+from celery_dlock.testing import RedisServer, free_port, server_binary, terminate
 
 SERVICE = "mymaster"
 DEADLINE = 20.0
@@ -142,12 +142,7 @@ class Sentinel:
 
     def close(self) -> None:
         self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

@@ -160,7 +160,9 @@ class Run:
 
     # -- faults -------------------------------------------------------------------------------
 
-    def inject(self, kind: str) -> None:
+    def inject(self, kind: str) -> bool:
+        """Inject one fault; False when it cannot be now (no pool process in a job to pause),
+        so the caller tries again shortly instead of skipping it."""
         p = self.profile
         if kind == "kill-worker":
             busy = set(self.running())
@@ -180,7 +182,7 @@ class Run:
                 if pid not in set(self.paused) | frozen and now - entry["t"] < 1.0 and alive(pid)
             ]
             if not candidates:
-                return
+                return False
             pid = self.random.choice(candidates)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -218,6 +220,7 @@ class Run:
             self.fault("outage-redis-back", nodes=[node.port])
         else:
             raise ValueError(f"unknown fault {kind!r}")
+        return True
 
     def tend_pauses(self, writes: list[dict[str, Any]]) -> None:
         """Resume frozen pool processes when their time has come."""
@@ -336,8 +339,8 @@ class Run:
             while submitted < elapsed * p.rate:
                 self.submit(driver, submitted)
                 submitted += 1
-            if next_fault < len(schedule) and elapsed >= spacing * (next_fault + 1):
-                self.inject(schedule[next_fault])
+            due = next_fault < len(schedule) and elapsed >= spacing * (next_fault + 1)
+            if due and self.inject(schedule[next_fault]):
                 next_fault += 1
             self.tend_pauses(self.writes())
             time.sleep(0.05)
