@@ -21,8 +21,8 @@ import select
 import ssl
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, cast
 
@@ -395,11 +395,18 @@ def _connect_all(
         try:
             failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
         except FutureTimeout:
-            # Still connecting in the background: never use that connection object.
+            # Still connecting in the background: never use that connection object, and close
+            # it once the connect ends, or its socket would stay open with nobody to close it.
+            future.add_done_callback(_closer(conns[i]))
             nodes[i].drop_connection()
             failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
         if failure is not None:
             replies[i] = failure
+
+
+def _closer(conn: Connection) -> Callable[[Future[Any]], None]:
+    """A callback that closes ``conn`` when a connect given up on finally ends."""
+    return lambda _: conn.disconnect()
 
 
 _PENDING = object()
