@@ -47,11 +47,13 @@ from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
 from celery_dlock.transport import (
+    Deferred,
     Node,
     Reply,
     blocking_pop,
     node_for,
     run_script,
+    send_deferred,
     send_script,
 )
 
@@ -262,26 +264,9 @@ class LockManager:
         while True:
             outcome = self._attempt(request, keys)
             if isinstance(outcome, Lease):
-                if on_lost is not None:
-                    outcome.on_lost(on_lost)
-                if request.interval is not None or request.max_hold is not None:
-                    watchdog.add(outcome)
-                waited = outcome.acquired_at - begun
-                log_acquire.debug(
-                    "acquired key=%s token=%s waited=%.3f", key, outcome.token, waited
-                )
-                lock_acquired.send(
-                    sender=request.sender,
-                    key=key,
-                    token=outcome.token,
-                    task_id=request.holder,
-                    waited=waited,
-                )
-                return outcome
+                return self._won(request, outcome, begun, on_lost)
             if outcome.unavailable:
-                raise LockUnavailable(
-                    f"cannot lock {key!r}: {outcome.detail}", key=key, errors=outcome.errors
-                )
+                raise self._refused(key, outcome)
             if outcome.split and splits < SPLIT_RETRIES:
                 # Contenders collided and nobody holds a majority: not "held" yet, so even a
                 # caller that will not wait gets a few more tries, at random delays (seed 001).
@@ -290,13 +275,7 @@ class LockManager:
                 continue
             left = None if give_up is None else give_up - time.monotonic()
             if left is not None and left <= 0:
-                who = outcome.holder.describe() if outcome.holder else "contenders (no majority)"
-                raise LockContended(
-                    f"lock {key!r} is held by {who}",
-                    key=key,
-                    holder=outcome.holder,
-                    retry_after=outcome.retry_after,
-                )
+                raise self._refused(key, outcome)
             seen = outcome.holder.token if outcome.holder else None
             if woken_from is not None and seen == woken_from and baton < BATON_RETRIES:
                 # The release that woke us has not reached every node yet. We hold the only
@@ -307,25 +286,100 @@ class LockManager:
             baton = 0
             woken_from = self._wait_for_release(key, keys[2], outcome, give_up, ttl)
 
+    def _won(
+        self, request: _Request, lease: Lease, begun: float, on_lost: LostCallback | None
+    ) -> Lease:
+        if on_lost is not None:
+            lease.on_lost(on_lost)
+        if request.interval is not None or request.max_hold is not None:
+            watchdog.add(lease)
+        waited = lease.acquired_at - begun
+        log_acquire.debug("acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited)
+        lock_acquired.send(
+            sender=request.sender,
+            key=request.key,
+            token=lease.token,
+            task_id=request.holder,
+            waited=waited,
+        )
+        return lease
+
+    @staticmethod
+    def _refused(key: str, outcome: _Refusal) -> LockContended | LockUnavailable:
+        """The error for an attempt that will not be tried again."""
+        if outcome.unavailable:
+            return LockUnavailable(
+                f"cannot lock {key!r}: {outcome.detail}", key=key, errors=outcome.errors
+            )
+        who = outcome.holder.describe() if outcome.holder else "contenders (no majority)"
+        return LockContended(
+            f"lock {key!r} is held by {who}",
+            key=key,
+            holder=outcome.holder,
+            retry_after=outcome.retry_after,
+        )
+
+    def _head(self, request: _Request) -> str:
+        return value_head(request.holder, queued=request.queued, task=_task_name(request.sender))
+
+    def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
+        retention = request.retention_ms or self._retention_ms
+        floor = "0" if self.redlock else "1"
+        return (
+            (keys[0], keys[1], void_key(keys[0], head)),
+            (head, _ms(request.ttl), retention, request.takeover, floor),
+        )
+
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | _Refusal:
         """One acquisition round on every node; a lease, or why not."""
-        ttl = request.ttl
-        head = value_head(request.holder, queued=request.queued, task=_task_name(request.sender))
+        head = self._head(request)
         started = time.monotonic()
-        floor = "0" if self.redlock else "1"
-        retention = request.retention_ms or self._retention_ms
+        script_keys, args = self._acquire_args(request, keys, head)
         try:
             replies = run_script(
                 self.nodes,
                 "acquire",
-                (keys[0], keys[1], void_key(keys[0], head)),
-                (head, _ms(ttl), retention, request.takeover, floor),
-                min(self.settings.node_timeout, ttl),
+                script_keys,
+                args,
+                min(self.settings.node_timeout, request.ttl),
             )
         except BaseException:
             # Interrupted mid-call (a soft time limit, say): nodes may have taken the key.
-            janitor.void(list(self.nodes), keys[0], void_key(keys[0], head), head, started + ttl)
+            self._void(list(self.nodes), keys, head, started + request.ttl)
             raise
+        return self._outcome(request, keys, head, started, replies)
+
+    def _void(self, nodes: list[Node], keys: tuple[str, str, str], head: str, until: float) -> None:
+        janitor.void(nodes, keys[0], void_key(keys[0], head), head, until)
+
+    def send_queued(
+        self, key: str, ttl: float, *, holder: str, sender: Any = None
+    ) -> PendingAcquire | None:
+        """Send a queued lock's acquisition (enqueue-time mode) without waiting for the reply.
+
+        The caller does its own work meanwhile, then calls :meth:`PendingAcquire.finish`. Only
+        for one plain Redis node (None otherwise: use :meth:`acquire`). Arguments must be
+        checked already, as a task's options are.
+        """
+        if self.redlock or self.cluster:
+            return None
+        request = _Request(key, ttl, holder, None, None, holder, True, sender)
+        keys = self.redis_keys(key)
+        head = self._head(request)
+        started = time.monotonic()
+        script_keys, args = self._acquire_args(request, keys, head)
+        deferred = send_deferred(self.nodes[0], "acquire", script_keys, args)
+        return PendingAcquire(self, request, keys, head, started, deferred)
+
+    def _outcome(
+        self,
+        request: _Request,
+        keys: tuple[str, str, str],
+        head: str,
+        started: float,
+        replies: list[Reply],
+    ) -> Lease | _Refusal:
+        ttl = request.ttl
         fences: dict[int, int] = {}
         others: list[tuple[bytes, int]] = []
         errors: list[tuple[str, str]] = []
@@ -382,8 +436,7 @@ class LockManager:
                 n for n, r in zip(taken, undone, strict=True) if isinstance(r, BaseException)
             ]
         if silent:
-            until = time.monotonic() + ttl
-            janitor.void(silent, keys[0], void_key(keys[0], head), head, until)
+            self._void(silent, keys, head, time.monotonic() + ttl)
 
     def _release_on(
         self,
@@ -755,3 +808,39 @@ class LockManager:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+class PendingAcquire:
+    """An acquisition sent by :meth:`LockManager.send_queued`, its reply not read yet."""
+
+    def __init__(
+        self,
+        manager: LockManager,
+        request: _Request,
+        keys: tuple[str, str, str],
+        head: str,
+        started: float,
+        deferred: Deferred,
+    ) -> None:
+        self.key = request.key
+        self._manager = manager
+        self._request = request
+        self._keys = keys
+        self._head = head
+        self._started = started
+        self._deferred = deferred
+
+    def finish(self) -> Lease:
+        """Read the reply: the lease, or :class:`LockContended` / :class:`LockUnavailable`."""
+        manager = self._manager
+        try:
+            reply = self._deferred.result()
+        except BaseException:
+            manager._void(
+                list(manager.nodes), self._keys, self._head, self._started + self._request.ttl
+            )
+            raise
+        outcome = manager._outcome(self._request, self._keys, self._head, self._started, [reply])
+        if isinstance(outcome, Lease):
+            return manager._won(self._request, outcome, self._started, None)
+        raise manager._refused(self.key, outcome)

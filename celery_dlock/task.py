@@ -49,7 +49,7 @@ from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavai
 from celery_dlock.holder import Holder
 from celery_dlock.keys import KeyBuilder
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager
+from celery_dlock.redlock import LockManager, PendingAcquire
 from celery_dlock.registry import manager_for
 from celery_dlock.signals import lock_contended
 
@@ -410,18 +410,135 @@ class SingletonTask(_TaskBase):
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        key, holder_id = queue_lock(self, args or (), kwargs or {}, task_id, options)
-        if holder_id is not None:
-            return self.AsyncResult(holder_id)
+        args, kwargs = args or (), kwargs or {}
+        early = send_queue_lock(self, args, kwargs, task_id, options)
+        if early is None:
+            key, holder_id = queue_lock(self, args, kwargs, task_id, options)
+            if holder_id is not None:
+                return self.AsyncResult(holder_id)
+        else:  # the reply is read in before_task_publish, once Celery has built the message
+            key = early.key
+        # Marked even without a queued lock (Redis unreachable): our before_task_publish
+        # handler then leaves the message alone instead of trying again.
         options["headers"] = {**headers, HEADER_QUEUED: 1}
         try:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+        except MergedDuplicate as merged:  # our before_task_publish handler called it off
+            _unsubscribe(self, task_id)
+            return self.AsyncResult(merged.holder_id)
         except BaseException:
+            if early is not None:
+                take_early(task_id)  # never read: the publish failed before the signal
+                key = early.finish_quietly()
             if key is not None:  # not published: free the key again
                 self._dlock().manager.release_by_holder(key, task_id)
             raise
+        finally:
+            if early is not None:
+                take_early(task_id)
+
+
+class MergedDuplicate(BaseException):
+    """Calls off the publish of an enqueue-time duplicate from ``before_task_publish``.
+
+    A BaseException because Celery's signal dispatch logs and swallows every ``Exception`` a
+    receiver raises; ``SingletonTask.apply_async`` catches it and returns the holder's result.
+    """
+
+    def __init__(self, holder_id: str) -> None:
+        super().__init__(holder_id)
+        self.holder_id = holder_id
+
+
+class EarlyLock:
+    """A queued lock's acquisition sent before Celery builds the message, read at publish."""
+
+    def __init__(self, task: SingletonTask, key: str, pending: PendingAcquire) -> None:
+        self.task = task
+        self.key = key
+        self.pending = pending
+        self.taken = False  # set once the reply said this message holds the key
+
+    def finish_quietly(self) -> str | None:
+        """Read the reply if that was not done; the key if this message took it."""
+        if not self.taken:
+            try:
+                self.task._dlock().manager.forget(self.pending.finish())
+                self.taken = True
+            except Exception:
+                pass
+        return self.key if self.taken else None
+
+
+#: Per thread: task id -> the early acquisition of the message being published.
+_early = threading.local()
+
+
+def _early_locks() -> dict[str, EarlyLock]:
+    found: dict[str, EarlyLock] | None = getattr(_early, "locks", None)
+    if found is None:
+        found = _early.locks = {}
+    return found
+
+
+def take_early(task_id: Any) -> EarlyLock | None:
+    """The early acquisition of message ``task_id`` still to be read, if any (removed)."""
+    return _early_locks().pop(task_id, None) if task_id else None
+
+
+#: Keys recently found held at publish: their next publishes check before building a message
+#: (a storm of duplicates stays cheap), the others overlap the check with building it.
+_held_recently: dict[str, float] = {}
+HELD_RECHECK = 1.0
+
+
+def send_queue_lock(
+    task: SingletonTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    task_id: str,
+    options: Mapping[str, Any],
+) -> EarlyLock | None:
+    """Send the queued lock's acquisition without waiting, where that is possible.
+
+    None when the caller must use :func:`queue_lock` instead: Redlock or Cluster, a retry of
+    the running execution (its key is handed over), or a key found held less than
+    ``HELD_RECHECK`` seconds ago.
+    """
+    key = task._dlock().keys(args, kwargs)
+    if time.monotonic() - _held_recently.get(key, -math.inf) < HELD_RECHECK:
+        return None
+    running = task.lease
+    if running is not None and running.key == key and running.holder == task_id:
+        return None
+    ttl = task.lock_queued_ttl + _delay_of(options)
+    pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
+    if pending is None:
+        return None
+    early = EarlyLock(task, key, pending)
+    _early_locks()[task_id] = early
+    return early
+
+
+def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
+    """In ``before_task_publish``: read the early acquisition's reply. The message goes out
+    holding the key, goes out without a queued lock (Redis unreachable: logged), or is called
+    off with :class:`MergedDuplicate` (another task holds the key)."""
+    _, holder_id = queue_lock(early.task, (), {}, headers["id"], {}, early=early)
+    if holder_id is not None:
+        raise MergedDuplicate(holder_id)
+
+
+def _unsubscribe(task: SingletonTask, task_id: str) -> None:
+    """Undo the result subscription Celery made for a publish that was called off."""
+    try:
+        consumer = getattr(task.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.cancel_for(task_id)
+    except Exception:  # best effort: at worst one idle subscription
+        log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
 
 
 def queue_lock(
@@ -430,28 +547,33 @@ def queue_lock(
     kwargs: Mapping[str, Any],
     task_id: str,
     options: Mapping[str, Any],
+    early: EarlyLock | None = None,
 ) -> tuple[str | None, str | None]:
     """Take the queued lock for a message about to be published (enqueue-time mode).
 
     Returns ``(key, None)`` when this message now holds ``key``; ``(None, holder_id)`` when
     another task holds it (this message is a duplicate of ``holder_id``); ``(None, None)``
     when no lock could be taken (Redis unreachable, or a holder that is not a task): publish
-    anyway, the execution-time lock still protects the body.
+    anyway, the execution-time lock still protects the body. With ``early``, the first
+    attempt is that acquisition, already sent.
     """
     resolved = task._dlock()
     manager = resolved.manager
-    key = resolved.keys(args, kwargs)
+    key = early.key if early is not None else resolved.keys(args, kwargs)
     ttl = task.lock_queued_ttl + _delay_of(options)
     running = task.lease
-    if running is not None and running.key == key and running.holder == task_id:
+    if early is None and running is not None and running.key == key and running.holder == task_id:
         # A retry (or re-publish) of the running execution: the key goes with the message.
         manager.hand_over(running, ttl)
         return key, None
     for attempt in (1, 2):
         try:
-            queued = manager.acquire(
-                key, ttl=ttl, holder=task_id, renew=False, queued=True, takeover=task_id
-            )
+            if early is not None and attempt == 1:
+                queued = early.pending.finish()
+            else:
+                queued = manager.acquire(
+                    key, ttl=ttl, holder=task_id, renew=False, queued=True, takeover=task_id
+                )
         except LockUnavailable as exc:
             log.warning(
                 "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
@@ -465,6 +587,9 @@ def queue_lock(
                 # The queued task was revoked before any worker saw it: the key is free.
                 manager.release_by_holder(key, holder.holder)
                 continue
+            if len(_held_recently) > 1000:
+                _held_recently.clear()
+            _held_recently[key] = time.monotonic()
             lock_contended.send(
                 sender=task,
                 key=key,
@@ -476,6 +601,8 @@ def queue_lock(
             )
             return None, holder.holder
         manager.forget(queued)
+        if early is not None:
+            early.taken = True
         return key, None
     return None, None
 

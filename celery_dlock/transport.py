@@ -36,6 +36,7 @@ from redis.exceptions import (
     NoScriptError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -481,7 +482,7 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
     connection's commands in order, so nothing sent later on this thread can overtake it. For
     releases at the end of a task, where waiting for the reply would only delay the next task.
     """
-    packed: dict[bool, Any] = {}
+    packed: dict[bool, Any] = {}  # by "sent as SHA": one packing serves every node
     if nodes and nodes[0].cluster:
         try:
             nodes = [nodes[0].route(keys[0])]
@@ -498,19 +499,100 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             _drain(node, conn)
             # No staleness check: a connection the server closed means the server restarted
             # and lost the key anyway; the next command finds the dead connection and replaces it.
-            # The first time on a connection, send the source: nobody may read this reply for a
-            # long time (the process may even exit first), so a NOSCRIPT must not be possible.
-            cached = name in _known(conn)
-            if cached not in packed:
-                script = node.scripts[name]
-                command = ("EVALSHA", script.sha) if cached else ("EVAL", script.script)
-                packed[cached] = conn.pack_command(*command, len(keys), *keys, *args)
-            conn.send_packed_command(packed[cached], check_health=False)
-            _known(conn).add(name)
-            _owed(conn).append((name, tuple(keys), tuple(args)))
+            _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
         except (RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
+
+
+class Deferred:
+    """A script call sent on this thread's connection to one node, its reply read later.
+
+    Lets a caller overlap the round trip with its own work (enqueue-time mode sends the queued
+    lock's acquisition, then lets Celery build the message, then reads the reply).
+    """
+
+    __slots__ = ("_conn", "_node", "_reply", "done")
+
+    def __init__(self, node: Node, conn: Connection) -> None:
+        self._node = node
+        self._conn = conn
+        self._reply: Reply = None
+        self.done = False
+
+    def settle(self, reply: Reply) -> None:
+        self._reply = reply
+        self.done = True
+
+    def result(self) -> Reply:
+        """The reply, or the exception that stands in for it; read now if it was not yet.
+
+        The connection's socket timeout (the node timeout) bounds the read.
+        """
+        if not self.done:
+            _drain(self._node, self._conn)
+            if not self.done:  # the connection was dropped before our reply came
+                self.settle(RedisConnectionError(f"connection to {self._node.shown} lost"))
+        return self._reply
+
+
+def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any]) -> Deferred:
+    """Send script ``name`` to one (non-Cluster) node; the reply is read by ``result()``.
+
+    Checks the connection first as a waited-for call does (a server-closed connection is
+    replaced), so a failure here means the node really is unreachable.
+    """
+    conn = node.connection()
+    deferred = Deferred(node, conn)
+    try:
+        if not is_connected(conn):
+            conn.connect()
+        _drain(node, conn)
+        if _stale(conn):
+            conn.disconnect()
+            conn.connect()
+        _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args), deferred))
+    except (RedisError, OSError) as exc:
+        conn.disconnect()
+        deferred.settle(exc)
+    return deferred
+
+
+class _Owed:
+    """A command sent on a connection whose reply has not been read yet."""
+
+    __slots__ = ("args", "deferred", "keys", "name")
+
+    def __init__(
+        self,
+        name: str,
+        keys: tuple[str, ...],
+        args: tuple[Any, ...],
+        deferred: Deferred | None = None,
+    ) -> None:
+        self.name = name
+        self.keys = keys
+        self.args = args
+        self.deferred = deferred  # where the reply goes; None: checked, then dropped
+
+
+def _send_owed(
+    node: Node, conn: Connection, owed: _Owed, packed: dict[bool, Any] | None = None
+) -> None:
+    # The first time on a connection, send the source: nobody may read this reply for a long
+    # time (the process may even exit first), so a NOSCRIPT must not be possible.
+    known = _known(conn)
+    cached = owed.name in known
+    command = packed.get(cached) if packed is not None else None
+    if command is None:
+        script = node.scripts[owed.name]
+        head = ("EVALSHA", script.sha) if cached else ("EVAL", script.script)
+        command = conn.pack_command(*head, len(owed.keys), *owed.keys, *owed.args)
+        if packed is not None:
+            packed[cached] = command
+    conn.send_packed_command(command, check_health=False)
+    known.add(owed.name)
+    _owed(conn).append(owed)
 
 
 def _known(conn: Connection) -> set[str]:
@@ -522,41 +604,61 @@ def _known(conn: Connection) -> set[str]:
     return known[1]
 
 
-def _owed(conn: Connection) -> list[tuple[str, tuple[str, ...], tuple[Any, ...]]]:
-    owed: list[tuple[str, tuple[str, ...], tuple[Any, ...]]] | None = getattr(
-        conn, "_dlock_owed", None
-    )
+def _owed(conn: Connection) -> list[_Owed]:
+    owed: list[_Owed] | None = getattr(conn, "_dlock_owed", None)
     if owed is None:
         owed = conn._dlock_owed = []
     return owed
 
 
 def _drain(node: Node, conn: Connection) -> None:
-    """Read the replies ``conn`` still owes (see :func:`send_script`); drop it on trouble."""
+    """Read the replies ``conn`` still owes (see :func:`send_script`); drop it on trouble.
+
+    A deferred call's reply (an error reply included) goes to its :class:`Deferred`; a
+    connection that fails, or a read that is interrupted, is dropped, and the deferred calls
+    still waiting get the error as their reply.
+    """
     owed = _owed(conn)
     if not owed:
         return
+    failure: BaseException | None = None
     try:
         if not is_connected(conn):
+            failure = RedisConnectionError(f"connection to {node.shown} lost")
             return
         while owed:
-            name, keys, args = owed.pop(0)
+            entry = owed[0]
             try:  # the reply is almost always there already; the socket timeout bounds it
-                conn.read_response()
+                reply = conn.read_response()
             except NoScriptError:
-                source = node.scripts[name].script
-                conn.send_command("EVAL", source, len(keys), *keys, *args)
-                conn.read_response()
+                source = node.scripts[entry.name].script
+                conn.send_command("EVAL", source, len(entry.keys), *entry.keys, *entry.args)
+                reply = _read(conn) if entry.deferred is not None else conn.read_response()
             except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
                 if node.owner is None:
                     raise
                 node.owner.reload_later()
-                node.owner.run(name, keys, args, node.timeout)
+                reply = node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
+            except ResponseError as exc:
+                if entry.deferred is None:
+                    raise
+                reply = exc
+            owed.pop(0)
+            if entry.deferred is not None:
+                entry.deferred.settle(reply)
     except (RedisError, OSError) as exc:
         log.debug("reply owed by %s lost: %s", node.shown, exc)
+        failure = exc
         conn.disconnect()
+    except BaseException as exc:  # interrupted mid-read: the next reply would be misread
+        failure = RedisConnectionError(f"read from {node.shown} interrupted: {exc!r}")
+        conn.disconnect()
+        raise
     finally:
         if not is_connected(conn):
+            for entry in owed:
+                if entry.deferred is not None and not entry.deferred.done:
+                    entry.deferred.settle(failure or RedisConnectionError("connection lost"))
             owed.clear()
 
 

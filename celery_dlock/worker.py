@@ -7,7 +7,9 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
   its lease, and a revoked *queued* task never takes over its queued lock; release both by
   holder id, which is the task id (an owner-checked delete: a key held by any other task id
   is left alone).
-* ``before_task_publish`` (publishers): in enqueue-time mode, messages published without
+* ``before_task_publish`` (publishers): in enqueue-time mode, ``SingletonTask.apply_async``
+  sends the queued lock's acquisition before Celery builds the message, and its reply is read
+  here: a duplicate's publish is called off. Messages published without
   going through ``SingletonTask.apply_async`` (``send_task`` by name, a beat process that did
   not import the task) take the queued lock here, or are marked as duplicates, which the
   worker then drops without running the body.
@@ -27,7 +29,14 @@ from celery.signals import before_task_publish, task_revoked, worker_process_shu
 
 from celery_dlock.beat import Tick, current_tick, mark_send
 from celery_dlock.renewal import watchdog
-from celery_dlock.task import HEADER_DUPLICATE_OF, HEADER_QUEUED, SingletonTask, queue_lock
+from celery_dlock.task import (
+    HEADER_DUPLICATE_OF,
+    HEADER_QUEUED,
+    SingletonTask,
+    queue_lock,
+    settle_early,
+    take_early,
+)
 
 log = logging.getLogger("celery_dlock.release")
 
@@ -87,6 +96,10 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
     tick = current_tick()
     if tick is not None:
         _claim_tick(tick, sender, headers)
+    early = take_early(headers.get("id"))
+    if early is not None:  # SingletonTask.apply_async sent the queued lock's acquisition
+        settle_early(early, headers)  # may call the publish off (a duplicate)
+        return
     if HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
         return
     task = _enqueue_task(sender)
