@@ -25,7 +25,8 @@ def define(app: Celery, **options: Any) -> Any:
     def body(source: str, entity: str, window: Any = None) -> str:
         return f"{source}:{entity}"
 
-    task = app.task(base=SingletonTask, name="opts.body", **options)(body)
+    # Not shared: a shared task would be copied into every app finalized later in this run.
+    task = app.task(base=SingletonTask, name="opts.body", shared=False, **options)(body)
     return task._get_current_object() if hasattr(task, "_get_current_object") else task
 
 
