@@ -110,7 +110,7 @@ class Endpoint:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        common = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, **_NO_SETINFO}
         if self.kind == "redis":
             import redis
 
@@ -136,6 +136,28 @@ class Endpoint:
             startup_nodes=[ClusterNode(h, p) for h, p in self.hosts],  # type: ignore[no-untyped-call]
             **{**options, **common},
         )
+
+
+def _no_setinfo() -> dict[str, Any]:
+    """Connection options that stop redis-py's two ``CLIENT SETINFO`` round trips per connect.
+
+    Every thread opens its own connection to every node, so a burst of new threads (50
+    publishers on Redlock-5: 250 connects at once) waits on them, and servers before 7.2
+    refuse them anyway. redis-py 5.x-7.x take ``lib_name=None``; later ones ``driver_info=None``.
+    """
+    import inspect
+
+    from redis.connection import AbstractConnection
+
+    params = inspect.signature(AbstractConnection.__init__).parameters
+    if "driver_info" in params:
+        return {"driver_info": None}
+    if "lib_name" in params:
+        return {"lib_name": None, "lib_version": None}
+    return {}
+
+
+_NO_SETINFO = _no_setinfo()
 
 
 def _tls_options(options: dict[str, Any]) -> dict[str, Any]:

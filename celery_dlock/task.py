@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -566,7 +567,11 @@ def queue_lock(
         # A retry (or re-publish) of the running execution: the key goes with the message.
         manager.hand_over(running, ttl)
         return key, None
-    for attempt in (1, 2):
+    attempt = 0
+    splits = 0
+    revoked_checked = False
+    while True:
+        attempt += 1
         try:
             if early is not None and attempt == 1:
                 queued = early.pending.finish()
@@ -581,10 +586,17 @@ def queue_lock(
             return None, None
         except LockContended as exc:
             holder = exc.holder
+            if holder is None and exc.retry_after is None and splits < QUEUE_SPLIT_RETRIES:
+                # Redlock contenders collided and nobody holds a majority yet; one of them
+                # soon will. Look again rather than publish a second message for the key.
+                splits += 1
+                time.sleep(random.uniform(0.0, 0.01 * splits))
+                continue
             if holder is None or holder.holder is None:
                 return None, None
-            if attempt == 1 and holder.queued and _revoked(task, holder.holder):
+            if not revoked_checked and holder.queued and _revoked(task, holder.holder):
                 # The queued task was revoked before any worker saw it: the key is free.
+                revoked_checked = True
                 manager.release_by_holder(key, holder.holder)
                 continue
             if len(_held_recently) > 1000:
@@ -604,7 +616,11 @@ def queue_lock(
         if early is not None:
             early.taken = True
         return key, None
-    return None, None
+
+
+#: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
+#: contenders for a queued lock collided, on top of the acquire's own retries.
+QUEUE_SPLIT_RETRIES = 10
 
 
 #: Holder ids recently found not revoked: a storm of duplicates reads the backend once a
