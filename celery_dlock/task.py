@@ -411,14 +411,13 @@ class SingletonTask(_TaskBase):
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        args, kwargs = args or (), kwargs or {}
-        early = send_queue_lock(self, args, kwargs, task_id, options)
+        wanted = self._dlock().keys(args or (), kwargs or {})
+        early = send_queue_lock(self, wanted, task_id, options)
+        key: str | None = wanted  # with early: the reply is read in before_task_publish
         if early is None:
-            key, holder_id = queue_lock(self, args, kwargs, task_id, options)
+            key, holder_id = queue_lock(self, wanted, task_id, options)
             if holder_id is not None:
                 return self.AsyncResult(holder_id)
-        else:  # the reply is read in before_task_publish, once Celery has built the message
-            key = early.key
         # Marked even without a queued lock (Redis unreachable): our before_task_publish
         # handler then leaves the message alone instead of trying again.
         options["headers"] = {**headers, HEADER_QUEUED: 1}
@@ -430,8 +429,7 @@ class SingletonTask(_TaskBase):
             _unsubscribe(self, task_id)
             return self.AsyncResult(merged.holder_id)
         except BaseException:
-            if early is not None:
-                take_early(task_id)  # never read: the publish failed before the signal
+            if early is not None:  # the reply may not have been read: the publish failed first
                 key = early.finish_quietly()
             if key is not None:  # not published: free the key again
                 self._dlock().manager.release_by_holder(key, task_id)
@@ -496,11 +494,7 @@ HELD_RECHECK = 1.0
 
 
 def send_queue_lock(
-    task: SingletonTask,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    task_id: str,
-    options: Mapping[str, Any],
+    task: SingletonTask, key: str, task_id: str, options: Mapping[str, Any]
 ) -> EarlyLock | None:
     """Send the queued lock's acquisition without waiting, where that is possible.
 
@@ -508,11 +502,9 @@ def send_queue_lock(
     the running execution (its key is handed over), or a key found held less than
     ``HELD_RECHECK`` seconds ago.
     """
-    key = task._dlock().keys(args, kwargs)
     if time.monotonic() - _held_recently.get(key, -math.inf) < HELD_RECHECK:
         return None
-    running = task.lease
-    if running is not None and running.key == key and running.holder == task_id:
+    if _running_lease(task, key, task_id) is not None:
         return None
     ttl = task.lock_queued_ttl + _delay_of(options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
@@ -527,7 +519,7 @@ def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
     """In ``before_task_publish``: read the early acquisition's reply. The message goes out
     holding the key, goes out without a queued lock (Redis unreachable: logged), or is called
     off with :class:`MergedDuplicate` (another task holds the key)."""
-    _, holder_id = queue_lock(early.task, (), {}, headers["id"], {}, early=early)
+    _, holder_id = queue_lock(early.task, early.key, headers["id"], {}, early=early)
     if holder_id is not None:
         raise MergedDuplicate(holder_id)
 
@@ -542,15 +534,22 @@ def _unsubscribe(task: SingletonTask, task_id: str) -> None:
         log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
 
 
+def _running_lease(task: SingletonTask, key: str, task_id: str) -> Lease | None:
+    """The lease of the running execution this publish is a retry (or re-publish) of."""
+    running = task.lease
+    if running is not None and running.key == key and running.holder == task_id:
+        return running
+    return None
+
+
 def queue_lock(
     task: SingletonTask,
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
+    key: str,
     task_id: str,
     options: Mapping[str, Any],
     early: EarlyLock | None = None,
 ) -> tuple[str | None, str | None]:
-    """Take the queued lock for a message about to be published (enqueue-time mode).
+    """Take the queued lock on ``key`` for a message about to be published (enqueue-time mode).
 
     Returns ``(key, None)`` when this message now holds ``key``; ``(None, holder_id)`` when
     another task holds it (this message is a duplicate of ``holder_id``); ``(None, None)``
@@ -558,13 +557,10 @@ def queue_lock(
     anyway, the execution-time lock still protects the body. With ``early``, the first
     attempt is that acquisition, already sent.
     """
-    resolved = task._dlock()
-    manager = resolved.manager
-    key = early.key if early is not None else resolved.keys(args, kwargs)
+    manager = task._dlock().manager
     ttl = task.lock_queued_ttl + _delay_of(options)
-    running = task.lease
-    if early is None and running is not None and running.key == key and running.holder == task_id:
-        # A retry (or re-publish) of the running execution: the key goes with the message.
+    running = None if early is not None else _running_lease(task, key, task_id)
+    if running is not None:  # a retry of the running execution: the key goes with the message
         manager.hand_over(running, ttl)
         return key, None
     attempt = 0

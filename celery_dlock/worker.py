@@ -108,7 +108,8 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
     eta = headers.get("eta")
     options = {"eta": _parse_eta(eta)} if eta else {}
     try:
-        key, holder_id = queue_lock(task, body[0] or (), body[1] or {}, headers["id"], options)
+        wanted = task.lock_key_for(body[0] or (), body[1] or {})
+        key, holder_id = queue_lock(task, wanted, headers["id"], options)
     except Exception:  # a bad argument fails in the worker with its clear error instead
         log.exception("could not take the queued lock for %s[%s]", sender, headers.get("id"))
         return
