@@ -177,9 +177,13 @@ class Worker:
 
     def cpu_s(self) -> float:
         """CPU time of the worker's main process and its pool children so far."""
+        return sum(self.cpu_split_s())
+
+    def cpu_split_s(self) -> tuple[float, float]:
+        """CPU time so far of the worker's main process, and of its pool children together."""
         assert self.process is not None
         pid = self.process.pid
-        return proc_cpu_s(pid) + sum(proc_cpu_s(c) for c in children(pid))
+        return proc_cpu_s(pid), sum(proc_cpu_s(c) for c in children(pid))
 
     def log(self) -> str:
         return self.logfile.read_text(errors="replace") if self.logfile.exists() else ""
@@ -327,15 +331,16 @@ def throughput_round(env: Env, row: str, task_name: str, locks: str, tasks: int)
         queued = env.broker.llen(DEFAULT_QUEUE)
         if queued != tasks:
             raise RuntimeError(f"{row}: {queued} messages queued, expected {tasks}")
-        wcpu0, scpu0 = worker.cpu_s(), servers_cpu_s(env.server_clients)
+        (main0, pool0), scpu0 = worker.cpu_split_s(), servers_cpu_s(env.server_clients)
         (busy0, steal0), own0 = machine_cpu_s(), time.process_time()
         started = consume(env, worker, tasks)
         wait_results(env.backend, tasks, env.timeout, row)
         (busy1, steal1), own1 = machine_cpu_s(), time.process_time()
-        wcpu1, scpu1 = worker.cpu_s(), servers_cpu_s(env.server_clients)
+        (main1, pool1), scpu1 = worker.cpu_split_s(), servers_cpu_s(env.server_clients)
         metas = read_results(env.backend, ids)
     finally:
         worker.stop()
+    wcpu0, wcpu1 = main0 + pool0, main1 + pool1
     bad = [
         (i, m.get("status"), m.get("result"))
         for i, m in enumerate(metas)
@@ -350,6 +355,8 @@ def throughput_round(env: Env, row: str, task_name: str, locks: str, tasks: int)
         "enqueue_us": (t1 - t0) * 1e6 / tasks,
         "enqueue_cpu_us": (cpu1 - cpu0) * 1e6 / tasks,
         "worker_cpu_us": (wcpu1 - wcpu0) * 1e6 / tasks,
+        # of which the main process (consuming, dispatching, acking); the rest is the pool's
+        "worker_main_cpu_us": (main1 - main0) * 1e6 / tasks,
         "server_cpu_us": (scpu1 - scpu0) * 1e6 / tasks,
         # Busy CPU time of everything else on the machine while the worker drained (other
         # processes, kernel threads), and CPU time stolen by the hypervisor: interference.

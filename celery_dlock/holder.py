@@ -16,6 +16,7 @@ The value stored under a lock key is one line of JSON, readable with ``redis-cli
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import secrets
 import socket
@@ -128,8 +129,14 @@ def value_head(holder: str | None, *, queued: bool = False, task: str | None = N
     since = int(time.time() * 1000)
     mark = ',"queued":true' if queued else ""
     if task is not None:
-        mark += f',"task":{json.dumps(task)}'
+        mark += _task_part(task)
     return f'{{"token":"{token}","holder":{who}{mark}{_process_part.get()},"since":{since},"fence":'
+
+
+@functools.lru_cache(maxsize=1024)
+def _task_part(task: str) -> str:
+    """The task name's part of a value: one per task, so computed once."""
+    return f',"task":{json.dumps(task)}'
 
 
 def head_token(head: str) -> str:

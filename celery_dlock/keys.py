@@ -75,8 +75,12 @@ def _canonical(value: Any, where: str) -> Any:
     )
 
 
+#: One encoder for every key: ``json.dumps`` with non-default options builds a new one per call.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(value)
 
 
 def shorten(key: str) -> str:

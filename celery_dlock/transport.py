@@ -44,6 +44,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock import endpoints, forks, scripts
 
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:  # redis-py's own serializer wraps this C packer in Python that costs more than it does
+    import hiredis
+
+    _hiredis_pack = hiredis.pack_command
+except ImportError:  # pragma: no cover - hiredis is optional (the "fast" extra)
+    _hiredis_pack = None
+
 log = logging.getLogger("celery_dlock.transport")
 
 #: A node's answer: the script's reply, or the exception that stood in for it.
@@ -460,12 +468,12 @@ def run_script(
     if not todo:
         return replies
     script = nodes[0].scripts[name]
-    packed = conns[todo[0]].pack_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    packed = _pack(conns[todo[0]], ("EVALSHA", script.sha, len(keys), *keys, *args))
     _exchange(nodes, conns, todo, packed, timeout, replies)
     forgot = [i for i in todo if isinstance(replies[i], NoScriptError)]
     if forgot:
         log.info("script %s not cached on %d node(s); sending its source", name, len(forgot))
-        packed = conns[forgot[0]].pack_command("EVAL", script.script, len(keys), *keys, *args)
+        packed = _pack(conns[forgot[0]], ("EVAL", script.script, len(keys), *keys, *args))
         _exchange(nodes, conns, forgot, packed, timeout, replies)
     if several:
         for i in todo:
@@ -587,12 +595,26 @@ def _send_owed(
     if command is None:
         script = node.scripts[owed.name]
         head = ("EVALSHA", script.sha) if cached else ("EVAL", script.script)
-        command = conn.pack_command(*head, len(owed.keys), *owed.keys, *owed.args)
+        command = _pack(conn, (*head, len(owed.keys), *owed.keys, *owed.args))
         if packed is not None:
             packed[cached] = command
     conn.send_packed_command(command, check_health=False)
     known.add(owed.name)
     _owed(conn).append(owed)
+
+
+def _pack(conn: Connection, command: tuple[Any, ...]) -> Any:
+    """``command`` in the wire protocol, for ``send_packed_command``.
+
+    hiredis packs str, bytes and numbers exactly as redis-py does; anything else, or no
+    hiredis, goes through the connection's own serializer.
+    """
+    if _hiredis_pack is not None:
+        try:
+            return [_hiredis_pack(command)]  # a list: a bare bytes object would be iterated
+        except TypeError:
+            pass
+    return conn.pack_command(*command)
 
 
 def _known(conn: Connection) -> set[str]:

@@ -505,3 +505,18 @@ def test_forked_child_renews_its_own_leases_not_the_parents(single_urls: list[st
     assert result == b"\x00", "the child's lease was not renewed by its own watchdog"
     assert not parent_lease.lost
     assert parent_lease.release()
+
+
+def test_commands_packed_in_c_match_redis_py() -> None:
+    """The hiredis packer our transport calls directly writes what redis-py's serializer
+    would, for every kind of argument a script call carries; other kinds fall back to it."""
+    from redis.connection import Connection
+    from redis.exceptions import DataError
+
+    from celery_dlock import transport
+
+    conn = Connection()
+    command = ("EVALSHA", "ab" * 20, 3, "k:é", "f", "v", '{"holder":"x"}', "60000", 0, 1.5, b"\x00")
+    assert b"".join(transport._pack(conn, command)) == b"".join(conn.pack_command(*command))
+    with pytest.raises(DataError):  # redis-py's own error, as before
+        transport._pack(conn, ("GET", object()))
