@@ -184,6 +184,12 @@ class Lease:
         except Exception:
             log.exception("lost-lease callback %r failed for key %s", callback, self.key)
 
+    def notice_expiry(self) -> None:
+        """Record a loss only the clock knows of (validity ran out, the watchdog not there
+        yet): a holder that ends just then still has it reported, whichever thread runs first."""
+        if self._lost is None and not self._released and time.monotonic() >= self._deadline:
+            self.mark_lost(self._expiry_reason())
+
     def release(self, *, wait: bool = True) -> bool:
         """Give the lock back; True if a quorum confirmed the delete. Idempotent, never raises
         on Redis errors (the key then expires after at most the ttl). ``wait=False`` sends the

@@ -557,6 +557,7 @@ class LockManager:
         """
         keys = self.redis_keys(lease.key)
         with lease.io_lock:
+            lease.notice_expiry()
             if not lease.set_released():
                 return False
             watchdog.discard(lease)

@@ -485,12 +485,17 @@ def run_script(
 def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
     """Send script ``name`` to every node without waiting for the replies.
 
-    Each connection remembers what it still owes a reply for; the reply is read (and a
-    forgotten script sent again as source) before that connection's next command. Redis runs a
-    connection's commands in order, so nothing sent later on this thread can overtake it. For
-    releases at the end of a task, where waiting for the reply would only delay the next task.
+    For releases at the end of a task, where waiting for the reply would only delay the next
+    task. Where the server allows it, the script goes out after ``CLIENT REPLY SKIP`` and as
+    source (``EVAL``), so no reply comes and none can be an unnoticed ``NOSCRIPT``: the server
+    writes nothing and we read nothing, which saves both sides a socket operation per release
+    (see :func:`_send_unanswered`). Otherwise each connection remembers what it still owes a
+    reply for; the reply is read (and a forgotten script sent again as source) before that
+    connection's next command. Redis runs a connection's commands in order, so nothing sent
+    later on this thread can overtake it. Either way a failure is only logged (at debug): the
+    key then lives out its ttl.
     """
-    packed: dict[bool, Any] = {}  # by "sent as SHA": one packing serves every node
+    packed: dict[bool | None, Any] = {}  # by "sent as SHA" (None: no reply): packed once
     if nodes and nodes[0].cluster:
         try:
             nodes = [nodes[0].route(keys[0])]
@@ -507,10 +512,83 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             _drain(node, conn)
             # No staleness check: a connection the server closed means the server restarted
             # and lost the key anyway; the next command finds the dead connection and replaces it.
-            _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
+            if not _send_unanswered(node, conn, name, keys, args, packed):
+                _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
         except (RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
+
+
+#: Sent before a command whose reply nobody will read (Redis 3.2+, Valkey).
+_SKIP_REPLY = ("CLIENT", "REPLY", "SKIP")
+_PROBE = "\0probe"  # the name of the owed entry that finds out whether _SKIP_REPLY works
+#: The probe's own command: a script, because a lock user may run scripts (and maybe nothing
+#: else, not even PING); its reply cannot be mistaken for a release's integer.
+_PROBE_COMMAND = ("EVAL", "return 'dlock-skip-probe'", 0)
+_PROBE_REPLIES = (b"dlock-skip-probe", "dlock-skip-probe")
+
+
+def _send_unanswered(
+    node: Node,
+    conn: Connection,
+    name: str,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    packed: dict[bool | None, Any],
+) -> bool:
+    """Send ``name`` so that the server writes no reply; False where that is not possible.
+
+    Not on a Redis Cluster shard, whose ``MOVED`` reply must be seen to reach the key. The
+    first time on a connection the command goes out with a probe (a trivial script after it): an ACL
+    user without ``CLIENT REPLY`` gets an error for it and every reply comes back, and the
+    probe's reader then turns skipping off for that connection (see :func:`_read_probe`).
+    """
+    if node.owner is not None:
+        return False
+    able = _skippable(conn)
+    if able is False:
+        return False
+    command = packed.get(None)  # the reply-less form, packed once for every node
+    if command is None:
+        source = node.scripts[name].script
+        command = packed[None] = _pack_joined(
+            conn, [_SKIP_REPLY, ("EVAL", source, len(keys), *keys, *args)]
+        )
+    if able is None:  # not yet known on this socket: ask, and read the answer later
+        probe = command + _pack_joined(conn, [_PROBE_COMMAND])
+        conn.send_packed_command([probe], check_health=False)
+        conn._dlock_skip = (conn._sock, False)  # until the probe's reply says otherwise
+        _owed(conn).append(_Owed(_PROBE, (), ()))
+        return True
+    conn.send_packed_command([command], check_health=False)
+    return True
+
+
+def _skippable(conn: Connection) -> bool | None:
+    """Whether this connection's server honours ``CLIENT REPLY SKIP``; None: not asked yet."""
+    state: tuple[Any, bool] | None = getattr(conn, "_dlock_skip", None)
+    if state is None or state[0] is not conn._sock:  # a new socket: ask again
+        return None
+    return state[1]
+
+
+def _read_probe(conn: Connection) -> None:
+    """Read what a probe sent by :func:`_send_unanswered` brought back: the probe's reply alone
+    if the skip worked; else the refusal of ``CLIENT REPLY``, the command's own reply (or
+    error), then the probe's."""
+    worked = True
+    for _ in range(3):
+        try:
+            reply = conn.read_response()
+        except ResponseError:
+            worked = False
+            continue
+        if reply in _PROBE_REPLIES:
+            break
+        worked = False
+    conn._dlock_skip = (conn._sock, worked)
+    if not worked:
+        log.info("CLIENT REPLY SKIP is refused on this connection; releases await replies")
 
 
 class Deferred:
@@ -585,7 +663,7 @@ class _Owed:
 
 
 def _send_owed(
-    node: Node, conn: Connection, owed: _Owed, packed: dict[bool, Any] | None = None
+    node: Node, conn: Connection, owed: _Owed, packed: dict[bool | None, Any] | None = None
 ) -> None:
     # The first time on a connection, send the source: nobody may read this reply for a long
     # time (the process may even exit first), so a NOSCRIPT must not be possible.
@@ -615,6 +693,11 @@ def _pack(conn: Connection, command: tuple[Any, ...]) -> Any:
         except TypeError:
             pass
     return conn.pack_command(*command)
+
+
+def _pack_joined(conn: Connection, commands: Sequence[tuple[Any, ...]]) -> bytes:
+    """Several commands packed into one buffer, for one write."""
+    return b"".join(b"".join(_pack(conn, command)) for command in commands)
 
 
 def _known(conn: Connection) -> set[str]:
@@ -650,6 +733,10 @@ def _drain(node: Node, conn: Connection) -> None:
             return
         while owed:
             entry = owed[0]
+            if entry.name == _PROBE:
+                _read_probe(conn)
+                owed.pop(0)
+                continue
             try:  # the reply is almost always there already; the socket timeout bounds it
                 reply = conn.read_response()
             except NoScriptError:

@@ -520,3 +520,77 @@ def test_commands_packed_in_c_match_redis_py() -> None:
     assert b"".join(transport._pack(conn, command)) == b"".join(conn.pack_command(*command))
     with pytest.raises(DataError):  # redis-py's own error, as before
         transport._pack(conn, ("GET", object()))
+
+
+# -- releases nobody waits for ---------------------------------------------------------------
+
+
+def test_release_without_waiting_gets_no_reply_and_frees_the_key(urls: list[str]) -> None:
+    """A task's release goes out after ``CLIENT REPLY SKIP``, as source: the key goes, the
+    server writes no reply, and later commands still read their own replies, also after a
+    ``SCRIPT FLUSH`` (an EVALSHA whose NOSCRIPT nobody reads would be lost)."""
+    from celery_dlock import transport
+
+    manager = manager_for(urls)
+    for i in range(30):
+        key = f"skip-{i}"
+        lease = manager.acquire(key, ttl=30, renew=False)
+        assert lease.token > 0
+        lease.release(wait=False)
+        wait_for(lambda k=key: lock_keys(urls, k) == [None] * len(urls), 2, f"{key} released")
+        if i == 10:
+            for url in urls:
+                client(url).script_flush()
+    for node in manager.nodes:
+        conn = node.connection()
+        assert transport._skippable(conn) is True
+        assert not transport._owed(conn)
+        assert not transport._stale(conn), "a reply (or EOF) is waiting on the socket"
+
+
+def test_release_without_client_reply_permission_awaits_replies(server: RedisServer) -> None:
+    """An ACL user with only the documented rules may not run ``CLIENT REPLY``: the first
+    release's probe finds that out, and releases go back to replies read later, none misread."""
+    from celery_dlock import transport
+    from celery_dlock.diagnose import acl_rules
+
+    client(server.url).execute_command(
+        "ACL", "SETUSER", "noskip", "reset", "on", ">pw", "-@all", *acl_rules().split()
+    )
+    url = server.url.replace("redis://", "redis://noskip:pw@", 1)
+    manager = manager_for([url])
+    for i in range(20):
+        key = f"noskip-{i}"
+        lease = manager.acquire(key, ttl=30, renew=False)
+        lease.release(wait=False)
+        wait_for(lambda k=key: lock_keys([server.url], k) == [None], 2, f"{key} released")
+    conn = manager.nodes[0].connection()
+    assert transport._skippable(conn) is False
+    assert len(transport._owed(conn)) == 1  # the last release's reply, read before the next
+    with lock([url], "noskip-after", ttl=5) as lease:
+        assert lease.token > 0
+
+
+def test_release_after_validity_ran_out_reports_the_loss(single_urls: list[str]) -> None:
+    """A holder that ends after its validity ran out, before any watchdog noticed, still has
+    the loss reported (signal and log), whichever thread gets there first."""
+    from celery_dlock import lock_lost
+
+    manager = manager_for(single_urls)
+    seen: list[dict[str, Any]] = []
+
+    def record(sender: Any = None, **kw: Any) -> None:
+        seen.append(kw)
+
+    lock_lost.connect(record, weak=False)
+    try:
+        lease = manager.acquire("ran-out", ttl=0.2, renew=False)
+        wait_for(lambda: lease.lost, 2, "the validity to run out")
+        assert seen == []  # nobody renews this lease: only the clock knows
+        lease.release(wait=False)
+        assert [s["key"] for s in seen] == ["ran-out"]
+        assert "validity" in seen[0]["reason"] or "expired" in seen[0]["reason"], seen[0]
+        lease.release()  # idempotent: reported once
+        assert len(seen) == 1
+    finally:
+        lock_lost.disconnect(record)
