@@ -519,12 +519,14 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
 
 
-#: Sent before a command whose reply nobody will read (Redis 3.2+, Valkey).
-_SKIP_REPLY = ("CLIENT", "REPLY", "SKIP")
+#: ``CLIENT REPLY SKIP``, packed once: sent before a command whose reply nobody will read
+#: (Redis 3.2+, Valkey).
+_SKIP_REPLY = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$4\r\nSKIP\r\n"
 _PROBE = "\0probe"  # the name of the owed entry that finds out whether _SKIP_REPLY works
-#: The probe's own command: a script, because a lock user may run scripts (and maybe nothing
-#: else, not even PING); its reply cannot be mistaken for a release's integer.
-_PROBE_COMMAND = ("EVAL", "return 'dlock-skip-probe'", 0)
+#: The probe, packed once: ``EVAL "return 'dlock-skip-probe'" 0``. A script, because a lock
+#: user may run scripts (and maybe nothing else, not even PING); its reply cannot be mistaken
+#: for a release's integer.
+_PROBE_COMMAND = b"*3\r\n$4\r\nEVAL\r\n$25\r\nreturn 'dlock-skip-probe'\r\n$1\r\n0\r\n"
 _PROBE_REPLIES = (b"dlock-skip-probe", "dlock-skip-probe")
 
 
@@ -539,9 +541,9 @@ def _send_unanswered(
     """Send ``name`` so that the server writes no reply; False where that is not possible.
 
     Not on a Redis Cluster shard, whose ``MOVED`` reply must be seen to reach the key. The
-    first time on a connection the command goes out with a probe (a trivial script after it): an ACL
-    user without ``CLIENT REPLY`` gets an error for it and every reply comes back, and the
-    probe's reader then turns skipping off for that connection (see :func:`_read_probe`).
+    first time on a connection the command goes out with a probe (a trivial script after it):
+    an ACL user without ``CLIENT REPLY`` gets an error for it and every reply comes back, and
+    the probe's reader then turns skipping off for that connection (see :func:`_read_probe`).
     """
     if node.owner is not None:
         return False
@@ -551,12 +553,10 @@ def _send_unanswered(
     command = packed.get(None)  # the reply-less form, packed once for every node
     if command is None:
         source = node.scripts[name].script
-        command = packed[None] = _pack_joined(
-            conn, [_SKIP_REPLY, ("EVAL", source, len(keys), *keys, *args)]
-        )
+        script = _pack(conn, ("EVAL", source, len(keys), *keys, *args))
+        command = packed[None] = _SKIP_REPLY + b"".join(script)
     if able is None:  # not yet known on this socket: ask, and read the answer later
-        probe = command + _pack_joined(conn, [_PROBE_COMMAND])
-        conn.send_packed_command([probe], check_health=False)
+        conn.send_packed_command([command + _PROBE_COMMAND], check_health=False)
         conn._dlock_skip = (conn._sock, False)  # until the probe's reply says otherwise
         _owed(conn).append(_Owed(_PROBE, (), ()))
         return True
@@ -693,11 +693,6 @@ def _pack(conn: Connection, command: tuple[Any, ...]) -> Any:
         except TypeError:
             pass
     return conn.pack_command(*command)
-
-
-def _pack_joined(conn: Connection, commands: Sequence[tuple[Any, ...]]) -> bytes:
-    """Several commands packed into one buffer, for one write."""
-    return b"".join(b"".join(_pack(conn, command)) for command in commands)
 
 
 def _known(conn: Connection) -> set[str]:

@@ -520,6 +520,10 @@ def test_commands_packed_in_c_match_redis_py() -> None:
     assert b"".join(transport._pack(conn, command)) == b"".join(conn.pack_command(*command))
     with pytest.raises(DataError):  # redis-py's own error, as before
         transport._pack(conn, ("GET", object()))
+    # the reply-less release's constant prefix and probe, written out as bytes
+    assert b"".join(conn.pack_command("CLIENT", "REPLY", "SKIP")) == transport._SKIP_REPLY
+    probe = ("EVAL", "return 'dlock-skip-probe'", 0)
+    assert b"".join(conn.pack_command(*probe)) == transport._PROBE_COMMAND
 
 
 # -- releases nobody waits for ---------------------------------------------------------------
