@@ -11,7 +11,9 @@ settings apart from the lock URLs of the variant it serves):
 ``BENCH_WORKER_CPUS``  optional CPU list (``0,1``) the worker process and its pool children use
 
 Every task returns its first argument. In the throughput rows that is all a body does, so
-what is measured is the per-task overhead of Celery and of the lock library. Storm bodies
+what is measured is the per-task overhead of Celery and of the lock library. ``bench.floor``
+also makes one ``SET NX PX`` round trip to the lock Redis: the least a lock taken in the worker
+costs, with nothing else a lock needs (release, renewal, fencing). Storm bodies
 (``count=True``) also count themselves in the journal (``INCR``) and sleep ``secs``.
 """
 
@@ -77,6 +79,23 @@ def _body(n: int, secs: float, count: bool) -> int:
 
 @app.task(name="bench.plain")
 def plain(n: int, secs: float = 0.0, count: bool = False) -> int:
+    return _body(n, secs, count)
+
+
+_floor: redis.Redis | None = None
+
+
+@app.task(name="bench.floor")
+def floor(n: int, secs: float = 0.0, count: bool = False) -> int:
+    """A plain task plus the one round trip any lock taken in the worker needs (SET NX PX).
+
+    No release, no renewal, no fencing: the key just expires. What it costs over ``plain`` is
+    the least an execution-time lock can cost on this host.
+    """
+    global _floor
+    if _floor is None or _floor.connection_pool.pid != os.getpid():
+        _floor = redis.Redis.from_url(LOCK_URLS[0])
+    _floor.set(f"bench:floor:{n}", "1", nx=True, px=30000)
     return _body(n, secs, count)
 
 
