@@ -15,7 +15,8 @@ interleaved over ``--rounds`` rounds; medians over rounds, and ratios to ``plain
 ``floor``. Two ``redis-server`` processes on 127.0.0.1: the lock Redis and the backend.
 
 Run: ``.venv/bin/python benchmarks/task_path.py [--tasks N] [--rounds R] [--profile] [--json]``
-(``--profile`` prints cProfile's busiest functions of ``celery_dlock`` for the dlock row).
+(``--profile`` prints cProfile's busiest functions of ``celery_dlock`` for the dlock row, to
+stderr).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -101,13 +103,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "wall_us": 1e6 * (w1 - w0) / args.tasks,
                     }
                 )
-        profile = None
-        if args.profile:
+        if args.profile:  # to stderr, so that --json output stays one object
             profiler = cProfile.Profile()
             profiler.enable()
             runs["dlock"](start, args.tasks)
             profiler.disable()
-            profile = profiler
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(
+                "celery_dlock", 25
+            )
     figures = {
         row: {
             fig: round(statistics.median(r[fig] for r in per), 1)
@@ -117,7 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     for f in figures.values():
         f["cpu_us"] = round(f["user_us"] + f["sys_us"], 1)
-    result = {
+    return {
         "machine": machine("celery"),
         "settings": {
             "tasks": args.tasks,
@@ -128,10 +131,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "figures": figures,
         "rounds": rounds,
     }
-    if profile is not None:
-        stats = pstats.Stats(profile)
-        stats.sort_stats("tottime").print_stats("celery_dlock", 25)
-    return result
 
 
 def print_report(result: dict[str, Any]) -> None:
