@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from celery_dlock import admin
 from celery_dlock import beat as _beat  # noqa: F401  (connects the beat_init receiver)
 from celery_dlock import worker as _worker  # noqa: F401  (connects the Celery signal receivers)
 from celery_dlock.config import DLockConfigWarning
@@ -20,6 +21,7 @@ from celery_dlock.errors import (
 from celery_dlock.guard import LockGuard, lock
 from celery_dlock.holder import Holder
 from celery_dlock.lease import Lease
+from celery_dlock.redlock import LockInfo
 from celery_dlock.signals import lock_acquired, lock_contended, lock_lost, lock_released
 from celery_dlock.task import SingletonTask
 
@@ -36,10 +38,12 @@ __all__ = [
     "Lease",
     "LockContended",
     "LockGuard",
+    "LockInfo",
     "LockLost",
     "LockUnavailable",
     "SingletonTask",
     "__version__",
+    "admin",
     "lock",
     "lock_acquired",
     "lock_contended",

@@ -43,12 +43,10 @@ from celery.signals import beat_init
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
-from celery_dlock.task import HEADER_DUPLICATE_OF
+from celery_dlock.task import HEADER_BEAT, HEADER_DUPLICATE_OF, HEADER_TICK
 
 log = logging.getLogger("celery_dlock.beat")
 
-HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
-HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
 #: Slot length for schedules that are neither intervals nor crontabs (solar): a minute.
 MINUTE = 60.0
 #: A tick key outlives its slot by this much, so a send just past the boundary from a beat
@@ -229,6 +227,7 @@ class LeaderScheduler(PersistentScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._lease: Lease | None = None
         self._identity = f"beat@{socket.gethostname()}:{os.getpid()}"
+        self._following: str | None = None  # the leader this beat last said it follows
         super().__init__(*args, **kwargs)
 
     def _settings(self) -> tuple[str, float]:
@@ -259,14 +258,33 @@ class LeaderScheduler(PersistentScheduler):
             self._lease = manager_for(self.app).acquire(key, ttl=ttl, holder=self._identity)
         except LockContended as exc:
             wait = exc.retry_after if exc.retry_after is not None else self.follower_poll
+            self._follow(exc, key)
             return max(0.05, min(wait + 0.01, self._max_interval()))
         except LockUnavailable as exc:
             log.warning("beat: cannot reach Redis for the leader lease: %s", exc)
             return min(self.follower_poll, self._max_interval())
         log.info("beat: %s is the leader (fencing token %s)", self._identity, self._lease.token)
+        self._following = None
         # Our schedule file may be behind the old leader's: entries due "now" are sent
         # again; the tick keys of SingletonTasks keep those from running twice.
         return None
+
+    def _follow(self, refused: LockContended, key: str) -> None:
+        """Say once per leader that this beat follows, and whom: until it leads it sends
+        nothing, which would otherwise look like a beat that does not work."""
+        holder = refused.holder
+        leader = (holder.holder or f"pid {holder.pid} on {holder.host}") if holder else None
+        if leader is None or leader == self._following:
+            return
+        self._following = leader
+        log.info(
+            "beat: %s follows; %s holds %r (the lease ends within %.1f s unless renewed); "
+            "it sends nothing until it leads",
+            self._identity,
+            leader,
+            key,
+            refused.retry_after if refused.retry_after is not None else float("nan"),
+        )
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         wait = self._lead()

@@ -7,6 +7,10 @@ the app's ``dlock_*`` settings (single Redis or Redlock) like the workers do::
     celery -A proj dlock show KEY [--json]
     celery -A proj dlock release KEY [--yes] [--json]
     celery -A proj dlock purge PREFIX [--yes] [--json]
+    celery -A proj dlock check [--no-reach]
+
+Each is built on the function of the same name in :mod:`celery_dlock.admin`, which does the
+same from Python.
 
 ``release`` does not merely delete the key: it marks the holder's acquisition revoked, so its
 next renewal reports the lease lost (and a task using ``on_lock_lost="raise"`` is stopped),
@@ -25,9 +29,10 @@ from typing import Any, TypeVar
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
+from celery_dlock import admin
 from celery_dlock.endpoints import redact
 from celery_dlock.errors import ConfigError, LockUnavailable
-from celery_dlock.redlock import LockInfo, LockManager
+from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,23 +52,8 @@ def _plain_errors(command: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def _manager(ctx: click.Context) -> LockManager:
-    return manager_for(ctx.obj.app)
-
-
-def _row(info: LockInfo, now: float) -> dict[str, Any]:
-    holder = info.holder
-    return {
-        "key": info.key,
-        "task": holder.task if holder else None,
-        "task_id": holder.holder if holder else None,
-        "host": holder.host if holder else None,
-        "pid": holder.pid if holder else None,
-        "queued": holder.queued if holder else None,
-        "age": round(now - holder.since, 3) if holder else None,
-        "ttl_left": None if info.ttl_left is None else round(info.ttl_left, 3),
-        "fence": holder.fence if holder else info.fence,
-    }
+def _app(ctx: click.Context) -> Any:
+    return ctx.obj.app
 
 
 def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
@@ -97,14 +87,13 @@ def dlock(ctx: click.Context) -> None:
 @_plain_errors
 def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
     """List held locks: key, task, holder, age, time left, fencing token."""
-    manager = _manager(ctx)
     now = time.time()
-    rows = [_row(info, now) for info in manager.locks(prefix) if info.holder is not None]
+    rows = [info.as_dict(now) for info in admin.locks(_app(ctx), prefix)]
     if as_json:
         for row in rows:
             ctx.obj.echo(json.dumps(row))
         return
-    ctx.obj.echo(f"locks on {_where(manager)}:")
+    ctx.obj.echo(f"locks on {_where(manager_for(_app(ctx)))}:")
     _print_table(ctx, rows)
 
 
@@ -115,17 +104,20 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
 @_plain_errors
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one lock."""
-    manager = _manager(ctx)
-    info = manager.inspect(key)
-    row = _row(info, time.time())
+    info = admin.show(_app(ctx), key)
+    row = info.as_dict()
     if as_json:
-        ctx.obj.echo(json.dumps({**row, "held": info.holder is not None}))
+        ctx.obj.echo(json.dumps(row))
         return
     if info.holder is None:
-        ctx.obj.echo(f"{key!r} is not held (fencing counter {info.fence})")
+        if info.fence is None:
+            ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")
+        else:
+            ctx.obj.echo(f"{key!r} is not held; the last fencing token issued was {info.fence}")
         return
     for name, value in row.items():
-        ctx.obj.echo(f"{name:9} {'-' if value is None else value}")
+        if name != "held":
+            ctx.obj.echo(f"{name:9} {'-' if value is None else value}")
 
 
 def _confirm(ctx: click.Context, question: str, yes: bool) -> None:
@@ -141,8 +133,7 @@ def _confirm(ctx: click.Context, question: str, yes: bool) -> None:
 @_plain_errors
 def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
     """Force-release a lock: its holder learns at its next renewal that it lost it."""
-    manager = _manager(ctx)
-    info = manager.inspect(key)
+    info = admin.show(_app(ctx), key)
     if info.holder is None:
         if as_json:
             ctx.obj.echo(json.dumps({"key": key, "released": False, "held": False}))
@@ -150,7 +141,8 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
             ctx.obj.echo(f"{key!r} is not held; nothing to release")
         return
     _confirm(ctx, f"Release {key!r}, held by {info.holder.describe()}?", yes)
-    released = manager.force_release(key, info.holder)
+    # Only the acquisition that was shown: one taken since then is not released unasked.
+    released = manager_for(_app(ctx)).force_release(key, info.holder)
     if as_json:
         ctx.obj.echo(json.dumps({"key": key, "released": released, "held": True}))
     elif released:
@@ -171,8 +163,7 @@ def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
     """Force-release every lock whose key starts with PREFIX."""
     if not prefix:
         raise click.BadParameter("give a non-empty prefix (every key starts with '')", ctx)
-    manager = _manager(ctx)
-    held = [info for info in manager.locks(prefix) if info.holder is not None]
+    held = admin.locks(_app(ctx), prefix)
     if not held:
         if as_json:
             ctx.obj.echo(json.dumps({"prefix": prefix, "released": []}))
@@ -180,6 +171,7 @@ def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
             ctx.obj.echo(f"no locks held under {prefix!r}")
         return
     _confirm(ctx, f"Release {len(held)} lock(s) under {prefix!r}?", yes)
+    manager = manager_for(_app(ctx))
     released = [
         info.key
         for info in held
@@ -189,3 +181,30 @@ def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
         ctx.obj.echo(json.dumps({"prefix": prefix, "released": released}))
     else:
         ctx.obj.echo(f"released {len(released)} of {len(held)} lock(s) under {prefix!r}")
+
+
+@dlock.command(name="check", cls=CeleryCommand)
+@click.option("--no-reach", is_flag=True, help="do not contact the lock nodes")
+@click.pass_context
+def check(ctx: click.Context, no_reach: bool) -> None:
+    """Check the app: every SingletonTask's options, the dlock settings, the lock nodes.
+
+    Exits 1 on any problem, so a deploy or CI step can run it before starting workers.
+    """
+    report = admin.check(_app(ctx), reach=not no_reach)
+    if report.tasks:
+        ctx.obj.echo(f"{len(report.tasks)} SingletonTask(s): {', '.join(report.tasks)}")
+    for url, error in report.nodes:
+        state = "not contacted" if no_reach else ("ok" if error is None else error)
+        ctx.obj.echo(f"lock node {url}: {state}")
+    if len(report.nodes) > 1 and not no_reach:
+        answered = sum(1 for _, error in report.nodes if error is None)
+        need = len(report.nodes) // 2 + 1
+        verdict = "locks work" if report.quorum_reached else "locks are refused"
+        ctx.obj.echo(f"{answered} of {len(report.nodes)} nodes answered, {need} needed: {verdict}")
+    for problem in report.problems:
+        ctx.obj.echo(f"problem: {problem}", err=True)
+    if report.ok:
+        ctx.obj.echo("ok")
+    else:
+        ctx.exit(1)

@@ -37,10 +37,24 @@ if SIGNAL is not None:
 
 
 class LockLostInterrupt(LockLost):
-    """What lands in the body; the task turns it into the lease's own :class:`LockLost`."""
+    """What lands in the body: the lease's own facts (message, key, reason, fencing token).
 
-    def __init__(self, message: str = "lease lost while the task ran") -> None:
-        super().__init__(message, key="?", reason="lost while running")
+    Made with no arguments where it lands (the asynchronous exception is instantiated in the
+    interrupted thread), so it reads them from that thread's run; the task turns it into the
+    lease's own :class:`LockLost` once the body has unwound.
+    """
+
+    def __init__(self) -> None:
+        run = _runs.get(threading.get_ident())
+        error = run.error if run is not None else None
+        if error is None:
+            super().__init__("lease lost while the task ran", reason="lost while running")
+        else:
+            super().__init__(str(error), key=error.key, reason=error.reason, token=error.token)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (a result backend, a pool's pipe) as the plain LockLost it stands for.
+        return (LockLost, self.args, self.__dict__)
 
 
 class _Run:
@@ -54,6 +68,8 @@ class _Run:
         self.delivered = False  # LockLost reached the body: by this interrupt, or by ensure()
         #: The lease whose loss stops this body (set once acquired).
         self.lease: object | None = None
+        #: The lease's LockLost, given by whoever asked for the interrupt.
+        self.error: LockLost | None = None
 
 
 _lock = threading.Lock()
@@ -66,7 +82,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     run = _runs.get(threading.get_ident())
     if run is not None and run.active and run.requested and not run.delivered:
         run.delivered = True
-        raise LockLostInterrupt
+        raise LockLostInterrupt()
 
 
 def start() -> _Run:
@@ -105,11 +121,13 @@ def told(lease: object) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(run.thread), None)
 
 
-def interrupt(run: _Run) -> None:
-    """Raise ``LockLost`` in ``run``'s body if it is still running; callable from any thread."""
+def interrupt(run: _Run, error: LockLost | None = None) -> None:
+    """Raise ``LockLost`` (with ``error``'s facts) in ``run``'s body if it is still running;
+    callable from any thread."""
     with _lock:
         if not run.active or run.requested or run.delivered:
             return
+        run.error = error
         run.requested = True
         if run.main and SIGNAL is not None and _handler_installed:
             os.kill(os.getpid(), SIGNAL)

@@ -97,12 +97,38 @@ def _glob_escape(text: str) -> str:
 
 @dataclass(frozen=True)
 class LockInfo:
-    """What the operator command shows of one key, as a majority of nodes sees it."""
+    """One key as a majority of nodes sees it (``celery_dlock.admin``, the operator command)."""
 
     key: str
-    holder: Holder | None
+    holder: Holder | None  # None when nobody holds the key
     ttl_left: float | None  # seconds until the key expires, None when not held
-    fence: int | None  # the key's fencing counter (the last token handed out)
+    fence: int | None  # the key's fencing counter (the last token handed out); None: none yet
+
+    @property
+    def held(self) -> bool:
+        return self.holder is not None
+
+    @property
+    def task_id(self) -> str | None:
+        """The id of the task holding the key (None when free, or held outside a task)."""
+        return self.holder.holder if self.holder is not None else None
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        """The fields the operator command prints; ``now`` (wall seconds) dates ``age``."""
+        holder = self.holder
+        now = time.time() if now is None else now
+        return {
+            "key": self.key,
+            "held": holder is not None,
+            "task": holder.task if holder else None,
+            "task_id": holder.holder if holder else None,
+            "host": holder.host if holder else None,
+            "pid": holder.pid if holder else None,
+            "queued": holder.queued if holder else None,
+            "age": round(now - holder.since, 3) if holder else None,
+            "ttl_left": None if self.ttl_left is None else round(self.ttl_left, 3),
+            "fence": holder.fence if holder else self.fence,
+        }
 
 
 def void_key(lock_key: str, head: str) -> str:

@@ -67,6 +67,8 @@ HEADER_UNAVAILABLE = "dlock_unavailable"  # requeues because Redis was unreachab
 HEADER_QUEUED = "dlock_queued"  # the message holds a queued lock (enqueue-time mode)
 HEADER_DUPLICATE_OF = "dlock_duplicate_of"  # published while this task id held the key
 HEADER_REDELIVERED = "dlock_redelivered"  # requeues of a redelivered copy of a running task
+HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
+HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
 
 LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
 
@@ -163,8 +165,7 @@ class SingletonTask(_TaskBase):
         # of the beat send that already ran this schedule slot.
         duplicate_of = getattr(request, HEADER_DUPLICATE_OF, None)
         if duplicate_of:
-            self._signal(key, None, "drop")
-            return self._drop(key, None, duplicate_of)
+            return self._drop_marked(key, duplicate_of)
         run = interrupt.start() if self.on_lock_lost == "raise" else None
         lease: Lease | None = None
         try:
@@ -191,7 +192,7 @@ class SingletonTask(_TaskBase):
                 lease.release(wait=False)
                 log.info("task %s[%s]: finished already; copy skipped", self.name, request.id)
                 self._signal(key, None, "drop")
-                raise Ignore()
+                raise _explained_ignore(request.id)
             # Kept per thread and task, not on ``self.request``: Celery may push a fresh request
             # context inside ``__call__`` (eager runs on older versions).
             stack = _lease_stack(self)
@@ -235,7 +236,7 @@ class SingletonTask(_TaskBase):
     def _on_lost_handler(self, run: Any) -> Callable[[Lease, LockLost], None] | None:
         policy = self.on_lock_lost
         if policy == "raise":
-            return lambda lease, error: interrupt.interrupt(run)
+            return lambda lease, error: interrupt.interrupt(run, error)
         if callable(policy):
             return lambda lease, error: policy(self, lease, error)
         return None
@@ -295,7 +296,10 @@ class SingletonTask(_TaskBase):
             return self._requeue(HEADER_REQUEUES, exc, args, kwargs, key=key)
         self._signal(key, holder, policy)
         if policy == "drop":
-            return self._drop(key, holder, holder.holder if holder else None)
+            who = holder.describe() if holder else "another holder"
+            return self._drop(
+                key, holder, holder.holder if holder else None, f"{key!r} is held by {who}"
+            )
         raise exc  # "raise", or "wait" that ran out
 
     def _signal(
@@ -311,20 +315,27 @@ class SingletonTask(_TaskBase):
             retry_in=retry_in,
         )
 
-    def _drop(self, key: str, holder: Holder | None, holder_id: str | None) -> dict[str, Any]:
-        log.info(
-            "task %s[%s] dropped: %r is held by task %s",
-            self.name,
-            self.request.id,
-            key,
-            holder_id,
-        )
+    def _drop_marked(self, key: str, duplicate_of: str) -> dict[str, Any]:
+        """Drop a message marked a duplicate when it was published (the key was not read)."""
+        self._signal(key, None, "drop")
+        tick = getattr(self.request, HEADER_TICK, None)
+        if tick:
+            why = f"beat already sent this schedule slot ({tick}) as task {duplicate_of}"
+        else:
+            why = f"published while task {duplicate_of} held {key!r}; that task runs instead"
+        return self._drop(key, None, duplicate_of, why)
+
+    def _drop(
+        self, key: str, holder: Holder | None, holder_id: str | None, why: str
+    ) -> dict[str, Any]:
+        log.info("task %s[%s] dropped: %s", self.name, self.request.id, why)
         return {
             "dlock_dropped": True,
             "key": key,
             "holder": holder_id,
             "holder_host": holder.host if holder else None,
             "holder_pid": holder.pid if holder else None,
+            "reason": why,
         }
 
     def _unavailable(
@@ -380,7 +391,7 @@ class SingletonTask(_TaskBase):
             self.lock_requeue_max,
             exc,
         )
-        raise Ignore()
+        raise _explained_ignore(request.id)
 
     # -- enqueue-time mode ---------------------------------------------------------------------
 
@@ -651,6 +662,35 @@ def requeue_delay(done: int, first: float, cap: float) -> float:
     )
     return max(ms / 1000.0, first / 10.0)
 
+
+#: Task ids whose execution this process ended with ``Ignore`` after logging why itself.
+_explained: set[str] = set()
+
+
+def _explained_ignore(task_id: str | None) -> Ignore:
+    """``Ignore`` for an execution whose end our own log line already explained (a requeue):
+    Celery's "Task ... ignored" line for it is dropped, one line per requeue is enough."""
+    if task_id:
+        if len(_explained) > 1000:  # ids whose Celery line never came (eager runs)
+            _explained.clear()
+        _explained.add(task_id)
+    return Ignore()
+
+
+class _QuietExplainedIgnores(logging.Filter):
+    """On Celery's tracer logger: drops its "ignored" line for the executions above."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        if isinstance(data, dict) and data.get("description") == "ignored":
+            task_id = data.get("id")
+            if task_id in _explained:
+                _explained.discard(task_id)
+                return False
+        return True
+
+
+logging.getLogger("celery.app.trace").addFilter(_QuietExplainedIgnores())
 
 _resolve_lock = threading.Lock()
 #: Per thread: task instance id -> the leases of its running executions (innermost last).

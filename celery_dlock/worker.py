@@ -16,6 +16,9 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 * ``before_task_publish`` (beat processes): a scheduled SingletonTask's send takes its tick
   key, or is marked as a duplicate of the send that has it (see :mod:`celery_dlock.beat`).
 * ``worker_process_shutdown`` (pool child): release whatever the process still holds.
+* ``worker_ready`` (worker parent): one line saying where the locks are, or one warning when
+  the lock nodes cannot be reached (or the settings name none), instead of every task
+  finding out by itself and being requeued for minutes.
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ import signal
 import weakref
 from typing import Any
 
-from celery.signals import before_task_publish, task_revoked, worker_process_shutdown
+from celery.signals import (
+    before_task_publish,
+    task_revoked,
+    worker_process_shutdown,
+    worker_ready,
+)
 
+from celery_dlock import admin
 from celery_dlock.beat import Tick, current_tick, mark_send
 from celery_dlock.renewal import watchdog
 from celery_dlock.task import (
@@ -39,6 +48,7 @@ from celery_dlock.task import (
 )
 
 log = logging.getLogger("celery_dlock.release")
+log_start = logging.getLogger("celery_dlock.worker")
 
 #: Enqueue-time singleton task name -> the app that registered it first (SingletonTask.bind).
 #: Celery copies a task into every app finalized later ("shared" tasks), each copy with its
@@ -151,3 +161,26 @@ def _parse_eta(eta: Any) -> Any:
 def release_held(**_: Any) -> None:
     for lease in watchdog.leases():
         lease.release()
+
+
+@worker_ready.connect
+def say_where_locks_are(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        report = admin.check(app)
+    except Exception:  # never keep a worker from starting over a diagnosis
+        log_start.exception("celery_dlock: could not check the lock nodes")
+        return
+    if not report.tasks:
+        return  # no SingletonTask here: nothing of ours to say
+    urls = ", ".join(url for url, _ in report.nodes)
+    if report.ok:
+        log_start.info("celery_dlock: %d singleton task(s); locks on %s", len(report.tasks), urls)
+        return
+    if report.nodes and report.quorum_reached:
+        effect = "locks still work with the nodes that answered"
+    else:
+        effect = "every SingletonTask is requeued (on_lock_unavailable) until they answer"
+    log_start.warning("celery_dlock: %s; %s", "; ".join(report.problems), effect)

@@ -64,6 +64,7 @@ def slot_of(entry: dict[str, Any]) -> int:
 def test_two_stock_beats_run_every_tick_exactly_once(
     single_only: None, wa: Any, worker: Worker, journal: Journal, beats: Any
 ) -> None:
+    log_from = len(worker.log())
     first = beats("stock-1", "ticks:0")
     second = beats("stock-2", "ticks:0")
     run_for(20)
@@ -83,6 +84,10 @@ def test_two_stock_beats_run_every_tick_exactly_once(
     dropped = journal.select("contended", policy="drop")
     assert len(senders) == 2 or len(dropped) >= 15, (senders, len(dropped))
     assert len(dropped) >= 10
+    # The worker says why: the slot was sent already (no key was held; that run had ended).
+    log = worker.log()[log_from:]
+    assert log.count("dropped: beat already sent this schedule slot (every-second:") >= 10
+    assert "is held by" not in log
 
 
 def test_leader_elected_beats_send_from_one_and_fail_over(
@@ -99,6 +104,11 @@ def test_leader_elected_beats_send_from_one_and_fail_over(
     leader_pid = int(senders.pop().rsplit(":", 1)[1])
     leader, follower = (one, two) if one.pid == leader_pid else (two, one)
     assert leader.pid == leader_pid
+    # The follower said once that it follows, and whom.
+    follows = [line for line in follower.log().splitlines() if " follows; " in line]
+    assert len(follows) == 1, follower.log()
+    assert f":{leader_pid} holds 'beat-leader:" in follows[0]
+    assert " is the leader " not in follower.log()
     follower_pid = follower.pid
     leader.kill()
     killed_at = time.monotonic()

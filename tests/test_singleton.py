@@ -54,6 +54,11 @@ def test_requeue_runs_all_20_one_at_a_time_with_jittered_delays(
     assert len(delays) >= 10
     assert len(set(delays)) > len(delays) // 2, f"requeue delays barely differ: {delays}"
     assert all(0.02 <= d <= 1.0 for d in delays)
+    # One line of ours per requeue says why; Celery's "Task ... ignored" for it is dropped.
+    log = worker.log()
+    for result in results:
+        assert f"{result.id}] ignored" not in log
+    assert sum(log.count(f"requeue_task[{r.id}] requeued in") for r in results) == len(delays)
 
 
 def test_raise_policy_fails_duplicates_with_lock_contended(
@@ -160,6 +165,11 @@ def test_deleting_the_key_stops_the_body_with_lock_lost(
     lost = journal.wait_for("lost", id=result.id)
     assert lost[0]["t"] - deleted_at < 0.5 + 0.3  # renew interval is ttl/3 = 0.5 s
     assert journal.select("end", name="lossy") == [], "the body ran on after losing its lease"
+    # The body itself was told what the final error says: key, reason and fencing token.
+    (seen,) = journal.select("interrupted", name="lossy")
+    assert (seen["error_key"], seen["error_token"]) == (start["key"], start["token"])
+    assert "gone" in seen["error_reason"]
+    assert seen["error"] == str(info.value)
 
 
 # -- enqueue-time mode -------------------------------------------------------------------------

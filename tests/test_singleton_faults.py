@@ -142,5 +142,8 @@ def test_other_pools(wa: Any, journal: Journal, spawn: Any, mode: Mode, pool: st
     with pytest.raises(Exception, match="was lost"):
         lossy.get(timeout=10)
     assert journal.select("end", name=f"{pool}-lossy") == []
+    (seen,) = journal.select("interrupted", name=f"{pool}-lossy")
+    assert (seen["error_key"], seen["error_token"]) == (start["key"], start["token"])
+    assert "gone" in seen["error_reason"]
     spans = intervals(journal.entries())
     assert overlaps([s for s in spans if s[2] == holder.id]) == []

@@ -17,7 +17,7 @@ import redis
 from celery import Celery, signals
 from celery.exceptions import Ignore, Reject
 
-from celery_dlock import SingletonTask, lock_contended, lock_lost
+from celery_dlock import LockLost, SingletonTask, lock_contended, lock_lost
 
 app = Celery(
     "worker_app",
@@ -109,8 +109,19 @@ def _body(task: Any, name: str, secs: float, **extra: Any) -> None:
     }
     record("start", **base)
     end = time.monotonic() + secs
-    while time.monotonic() < end:  # the body's "work", in slices (threads-pool interrupts)
-        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    try:
+        while time.monotonic() < end:  # the body's "work", in slices (threads-pool interrupts)
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    except LockLost as exc:  # what the body itself sees when its lease is lost
+        record(
+            "interrupted",
+            **base,
+            error=str(exc),
+            error_key=exc.key,
+            error_reason=exc.reason,
+            error_token=exc.token,
+        )
+        raise
     record("end", **base)
 
 

@@ -1,0 +1,142 @@
+"""What an operator can do to locks, from Python: list, show, release, purge, and check an app.
+
+``celery -A proj dlock list|show|release|purge|check`` is built on these functions. Each takes
+what :func:`celery_dlock.lock` takes: a Celery app (its ``dlock_*`` settings) or a list of
+Redis URLs::
+
+    from celery_dlock import admin
+
+    for info in admin.locks(app, prefix="meta:"):
+        print(info.key, info.task_id, info.ttl_left)
+    admin.release(app, "meta:github:repo-1")            # its holder is told it lost the lease
+    admin.purge(app, "meta:")                           # every lock under a prefix
+    problems = admin.check(app).problems                # options, settings, reachable nodes
+
+A forced release does not merely delete the key: it marks that acquisition revoked, so the
+holder's next renewal reports the lease lost (a task with ``on_lock_lost="raise"`` is
+stopped), and moves the fencing counter on, so the holder's token is stale at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_dlock.config import check_key, quorum
+from celery_dlock.diagnose import describe
+from celery_dlock.endpoints import redact
+from celery_dlock.errors import ConfigError
+from celery_dlock.redlock import LockInfo, LockManager
+from celery_dlock.registry import manager_for
+from celery_dlock.transport import run_script
+
+__all__ = ["CheckReport", "LockInfo", "check", "locks", "node_errors", "purge", "release", "show"]
+
+
+def locks(app_or_urls: Any, prefix: str = "") -> list[LockInfo]:
+    """Every lock held now whose key starts with ``prefix``, as a majority of nodes sees it.
+
+    Raises :class:`~celery_dlock.LockUnavailable` when the nodes cannot be read.
+    """
+    if not isinstance(prefix, str):
+        raise ConfigError(f"prefix must be a str, not {type(prefix).__name__} ({prefix!r}).")
+    manager = manager_for(app_or_urls)
+    return [info for info in manager.locks(prefix) if info.holder is not None]
+
+
+def show(app_or_urls: Any, key: str) -> LockInfo:
+    """One lock: its holder (None when free), time left and fencing counter."""
+    return manager_for(app_or_urls).inspect(check_key(key))
+
+
+def release(app_or_urls: Any, key: str, *, task_id: str | None = None) -> bool:
+    """Force-release ``key``; True if it was held and a majority of nodes released it.
+
+    With ``task_id``, only while that task holds it (celery-singleton's ``release_lock``
+    for one task); False when someone else holds it, or nobody.
+    """
+    manager = manager_for(app_or_urls)
+    info = manager.inspect(check_key(key))
+    if info.holder is None or (task_id is not None and info.holder.holder != task_id):
+        return False
+    return manager.force_release(key, info.holder)
+
+
+def purge(app_or_urls: Any, prefix: str) -> list[str]:
+    """Force-release every lock whose key starts with ``prefix``; the keys released."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigError(
+            f"purge needs a non-empty prefix (every key starts with ''), got {prefix!r}; "
+            "to release everything, name each key prefix your tasks use."
+        )
+    manager = manager_for(app_or_urls)
+    return [
+        info.key
+        for info in locks(manager, prefix)
+        if info.holder is not None and manager.force_release(info.key, info.holder)
+    ]
+
+
+def node_errors(manager: LockManager) -> list[tuple[str, str]]:
+    """``(url, error)`` for each lock node that cannot run a lock script right now, password
+    hidden; empty when every node answered."""
+    probe = manager.redis_keys("celery-dlock-check")
+    replies = run_script(manager.nodes, "inspect", probe[:2], (), manager.settings.node_timeout)
+    return [
+        (redact(node.url), describe(reply, node))
+        for node, reply in zip(manager.nodes, replies, strict=True)
+        if isinstance(reply, BaseException)
+    ]
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check` found: the singleton tasks, each lock node, and every problem."""
+
+    #: Names of the app's SingletonTasks (each created, so its options were checked).
+    tasks: list[str] = field(default_factory=list)
+    #: ``(url, error)`` per lock node, password hidden; error is None for a node that answered.
+    nodes: list[tuple[str, str | None]] = field(default_factory=list)
+    #: One line per problem, each naming what to fix.
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def quorum_reached(self) -> bool:
+        """Whether enough nodes answered for locks to work (all of them: still fine)."""
+        answered = sum(1 for _, error in self.nodes if error is None)
+        return bool(self.nodes) and answered >= quorum(len(self.nodes))
+
+
+def check(app: Any, *, reach: bool = True) -> CheckReport:
+    """Check an app the way a worker meets it, before any task runs.
+
+    Creates the app's tasks (Celery creates ``@app.task`` classes lazily, so a wrong
+    ``SingletonTask`` option otherwise surfaces at the task's first use), reads the
+    ``dlock_*`` settings, and with ``reach`` runs a lock script on every node. Never raises
+    for what it finds: each problem is one line of the report.
+    """
+    from celery_dlock.task import SingletonTask
+
+    report = CheckReport()
+    try:
+        tasks = dict(app.tasks)  # finalizes the app: every task class is created and checked
+    except ConfigError as exc:
+        report.problems.append(str(exc))
+        return report
+    singletons = sorted(n for n, t in tasks.items() if isinstance(t, SingletonTask))
+    report.tasks = singletons
+    try:
+        manager = manager_for(app)
+        for name in singletons:
+            tasks[name]._dlock()  # the task's settings resolved, as its first run does
+    except ConfigError as exc:
+        report.problems.append(str(exc))
+        return report
+    failed = dict(node_errors(manager)) if reach else {}
+    report.nodes = [(redact(node.url), failed.get(redact(node.url))) for node in manager.nodes]
+    report.problems += [f"cannot reach lock node {url}: {error}" for url, error in failed.items()]
+    return report
