@@ -138,5 +138,7 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
         return report
     failed = dict(node_errors(manager)) if reach else {}
     report.nodes = [(redact(node.url), failed.get(redact(node.url))) for node in manager.nodes]
-    report.problems += [f"cannot reach lock node {url}: {error}" for url, error in failed.items()]
+    report.problems += [
+        f"cannot reach lock node {url} ({error.rstrip('.')})" for url, error in failed.items()
+    ]
     return report

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import difflib
 import hashlib
 import inspect
 import json
@@ -137,9 +138,11 @@ class KeyBuilder:
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         unknown = [n for n in names if n not in params and not takes_any]
         if unknown:
+            close = difflib.get_close_matches(unknown[0], list(params), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
                 f"{where} names {', '.join(map(repr, unknown))}, which the task does not take; "
-                f"its arguments are {', '.join(params) or '(none)'}."
+                f"its arguments are {', '.join(params) or '(none)'}.{hint}"
             )
 
     def _template_fields(self, template: str, where: str) -> list[str]:

@@ -30,6 +30,7 @@ the task class is created.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import random
@@ -731,8 +732,10 @@ def check_options(cls: type[SingletonTask]) -> None:
     def choice(option: str, allowed: tuple[str, ...]) -> None:
         value = getattr(cls, option)
         if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"{where}: {option}={value!r} is not one of {', '.join(map(repr, allowed))}."
+                f"{where}: {option}={value!r} is not one of {', '.join(map(repr, allowed))}.{hint}"
             )
 
     choice("on_duplicate", POLICIES)

@@ -183,4 +183,4 @@ def say_where_locks_are(sender: Any = None, **_: Any) -> None:
         effect = "locks still work with the nodes that answered"
     else:
         effect = "every SingletonTask is requeued (on_lock_unavailable) until they answer"
-    log_start.warning("celery_dlock: %s; %s", "; ".join(report.problems), effect)
+    log_start.warning("celery_dlock: %s. So %s.", "; ".join(report.problems), effect)

@@ -87,6 +87,25 @@ def test_a_task_whose_pool_process_died_runs_again_once_its_lease_expires(
     assert len(journal.select("end", name="lostchild")) == 1
 
 
+def test_a_worker_that_cannot_reach_its_lock_nodes_says_so_once_at_start(
+    wa: Any, worker: Worker, spawn: Any, mode: Mode
+) -> None:
+    if mode.name != "single":
+        pytest.skip("one lock server is enough to show it")
+    # The main worker reached its nodes: one line says where its locks are.
+    assert "celery_dlock: " in worker.log()
+    assert f"singleton task(s); locks on {mode.lock_urls[0]}" in worker.log()
+    port = RedisServer().port  # a free port nothing listens on
+    url = f"redis://:hunter2@127.0.0.1:{port}/2"
+    blind = spawn("blind", "blind_q", env={"DLOCK_TEST_LOCK_URLS": url})
+    warnings = [line for line in blind.log().splitlines() if "cannot reach lock node" in line]
+    assert len(warnings) == 1, blind.log()
+    assert f"redis://:***@127.0.0.1:{port}/2" in warnings[0]
+    assert "requeued" in warnings[0]
+    assert "WARNING" in warnings[0]
+    assert "hunter2" not in blind.log()
+
+
 def test_redis_unreachable_at_start_requeues_and_runs_once_it_is_back(
     wa: Any, journal: Journal, spawn: Any, mode: Mode
 ) -> None:
