@@ -53,6 +53,11 @@ def define(app: Celery, **options: Any) -> Any:
             "on_duplicate='wait' does not apply with lock_on='enqueue'",
         ),
         ({"lock_key": "{nope}"}, "lock_key names 'nope', which the task does not take"),
+        (
+            {"lock_key": "meta:{sorce}:{entity}"},
+            "its arguments are source, entity, window. Did you mean 'source'?",
+        ),
+        ({"on_duplicate": "reque"}, "'raise', 'wait'. Did you mean 'requeue'?"),
         ({"lock_key": ["source", "missing"]}, "names 'missing', which the task does not take"),
         ({"lock_key": "{0}"}, "must name arguments, e.g. '{source}', not '{0}'"),
         ({"lock_key": "{source"}, "is not a valid template"),
