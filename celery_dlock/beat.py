@@ -1,24 +1,27 @@
-"""Celery beat: each scheduled tick runs once cluster-wide, and beat itself highly available.
+"""Celery beat: each scheduled run happens once cluster-wide, and beat itself highly available.
 
 Two independent mechanisms, usable alone or together:
 
-* **Once per tick** (any scheduler class). In a beat process, every send of a scheduled
-  :class:`~celery_dlock.SingletonTask` takes a *tick key* naming the app, the schedule entry
-  and its slot — the period the send falls in for interval schedules, the scheduled fire time
-  for crontabs (so a catch-up send maps to the run it makes up for), the minute otherwise —
-  kept until the slot ends. A second send for the same slot, from another beat process or a
-  restarted one, is marked as a duplicate and dropped by the worker without running the body,
-  however late it arrives. The slot travels in the ``dlock_tick`` message header.
+* **Once per run** (any scheduler class). In a beat process, every send of a scheduled
+  :class:`~celery_dlock.SingletonTask` takes a *tick key* naming the app and the schedule
+  entry, kept until the entry's next run less a small margin. Another send of the entry while
+  it exists — from another beat process, a restarted one, or a new leader working from an old
+  schedule file — is marked as a duplicate and dropped by the worker without running the body,
+  however late it arrives. The key's lifetime is a *duration* the sender computes from the
+  schedule (its period; for a crontab, the time to its next fire time), counted by the lock
+  Redis's clock from the moment it is set, so the beats' wall clocks need not agree: sends of
+  one run from beats whose clocks differ by up to that duration are one run (see
+  ``docs/beat.md``). The ``dlock_tick`` header names the entry and the slot the sender's clock
+  puts the send in, for logs and idempotency keys.
   It hooks the scheduler *instance* when beat starts (``beat_init``), so it works with the stock
   scheduler, django-celery-beat's, RedBeat's, or any other subclass of ``celery.beat.Scheduler``.
-  Slots are computed from the wall clock, so beat hosts need NTP-disciplined clocks.
 
 * **A leader-elected scheduler**, ``celery -A proj beat -S celery_dlock.beat:LeaderScheduler``
   (or ``-S dlock``): any number of beat processes run, only the holder of the leader lease
   sends. Followers try to take the lease each time the leader's would expire, so they take over
   within about one ``dlock_beat_ttl`` of the leader dying. The leader sends only while at least
-  a third of its lease is left, and its view of the lease ends before Redis's (seed 000), so a
-  leader that lost it stops sending before a follower can start.
+  a third of its lease is left, and its view of the lease ends before Redis's (the drift
+  allowance), so a leader that lost it stops sending before a follower can start.
 
 Settings: ``dlock_beat_ttl`` (leader lease, seconds, default 10), ``dlock_beat_key`` (leader
 lock key, default ``"beat-leader:<app main name>"``).
@@ -27,6 +30,7 @@ lock key, default ``"beat-leader:<app main name>"``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -49,9 +53,10 @@ log = logging.getLogger("celery_dlock.beat")
 
 #: Slot length for schedules that are neither intervals nor crontabs (solar): a minute.
 MINUTE = 60.0
-#: A tick key outlives its slot by this much, so a send just past the boundary from a beat
-#: whose clock is a little behind still finds it.
-TICK_GRACE = 1.0
+#: A tick key ends this long before the entry's next run (at most; a quarter of the gap for
+#: shorter gaps), so the sending beat's own next send, which can reach Redis a little sooner
+#: after this one than the schedule says (a slow publish now, a fast one then), never finds it.
+TICK_MARGIN = 1.0
 #: How far back to look for a crontab's latest fire time, widening until one is found.
 _LOOKBACK = (60.0, 3600.0, 86400.0, 32 * 86400.0, 367 * 86400.0)
 _MAX_STEPS = 2000
@@ -65,9 +70,10 @@ class Tick:
 
     app: Any
     entry: ScheduleEntry
-    index: int  # slot number, for the message header
+    index: int  # slot number by the sender's clock, for the message header
     start: float  # wall-clock seconds: the scheduled time this send is for
     end: float  # when the next one is due
+    gap: float  # seconds from this send to the entry's next run, as this beat schedules it
 
 
 def tick_slot(entry: ScheduleEntry, now: float | None = None) -> tuple[int, float, float]:
@@ -93,14 +99,60 @@ def tick_slot(entry: ScheduleEntry, now: float | None = None) -> tuple[int, floa
     return index, index * MINUTE, (index + 1) * MINUTE
 
 
+def tick_gap(entry: ScheduleEntry, now: float | None = None) -> float:
+    """Seconds from a send of ``entry`` at ``now`` to its next run, as a beat schedules it.
+
+    Interval schedules: the period (a beat's next send comes a period after this one).
+    Crontabs: the time to the next fire time. Anything else: the schedule's own estimate.
+    """
+    now = time.time() if now is None else now
+    schedule: Any = entry.schedule
+    run_every = getattr(schedule, "run_every", None)
+    period = run_every.total_seconds() if run_every is not None else 0.0
+    if period > 0:
+        return period
+    window = _crontab_window(schedule, now)
+    if window is not None:
+        return window[1] - now
+    try:
+        estimate = schedule.remaining_estimate(datetime.fromtimestamp(now, tz=_zone(schedule)))
+        return max(float(estimate.total_seconds()), MINUTE)
+    except Exception:  # a schedule class that cannot tell: a minute, as its slots are
+        return MINUTE
+
+
+def tick_margin(gap: float) -> float:
+    """How long before the next run a tick key ends (see :data:`TICK_MARGIN`)."""
+    return min(TICK_MARGIN, gap / 4)
+
+
+def _zone(schedule: Any) -> Any:
+    """The timezone a schedule reads its fields in (the app's ``timezone``), else UTC."""
+    try:
+        return schedule.tz or timezone.utc
+    except Exception:  # no app to ask
+        return timezone.utc
+
+
 def _crontab_window(schedule: Any, now: float) -> tuple[float, float] | None:
     """(latest fire time <= now, the fire time after it) of a crontab-like schedule."""
-    remaining_delta = getattr(schedule, "remaining_delta", None)
-    if remaining_delta is None:
+    if getattr(schedule, "remaining_delta", None) is None:
         return None
+    # Asked in the schedule's own timezone, of a copy whose "now" is the moment asked about.
+    # Before Celery 5.7, remaining_delta matched the crontab's fields in whatever timezone it
+    # was given (a UTC time put "hour=5" at 05:00 UTC), and took the next minute only when
+    # the time asked about fell on the real clock's current day.
+    zone = _zone(schedule)
+    try:
+        probe = copy.copy(schedule)
+    except Exception:  # a crontab-like class that cannot be copied: ask it as it is
+        probe = schedule
 
     def next_after(t: float) -> float:
-        last, delta, _ = remaining_delta(datetime.fromtimestamp(t, tz=timezone.utc))
+        moment = datetime.fromtimestamp(t, tz=zone)
+        if probe is not schedule:
+            probe.nowfun = lambda: moment
+        last, delta, _ = probe.remaining_delta(moment)
         fire: datetime = last + delta
         return fire.timestamp()
 
@@ -130,8 +182,9 @@ def _wrap_apply_async(scheduler: Any) -> None:
     original = scheduler.apply_async
 
     def apply_async(entry: ScheduleEntry, *args: Any, **kwargs: Any) -> Any:
-        index, start, end = tick_slot(entry)
-        _current.tick = Tick(scheduler.app, entry, index, start, end)
+        now = time.time()
+        index, start, end = tick_slot(entry, now)
+        _current.tick = Tick(scheduler.app, entry, index, start, end, tick_gap(entry, now))
         _current.claims = []
         try:
             return original(entry, *args, **kwargs)
@@ -157,13 +210,9 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
         _wrap_apply_async(scheduler)
 
 
-def tick_key(app_name: str, entry_name: str, start: float) -> str:
-    """The key one slot of one schedule entry holds: app, entry and the slot's start time."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(start))
-    millis = round((start % 1) * 1000)
-    if millis:
-        stamp += f".{millis:03d}"
-    return f"beat-tick:{app_name}:{entry_name}:{stamp}"
+def tick_key(app_name: str, entry_name: str) -> str:
+    """The key a run of one schedule entry holds until the entry's next run."""
+    return f"beat-tick:{app_name}:{entry_name}"
 
 
 def mark_send(task: Any, task_id: str, headers: dict[str, Any]) -> bool:
@@ -193,12 +242,13 @@ def claim_tick(tick: Tick, task: Any, task_id: str) -> str | None:
     overlapping another.
     """
     entry = tick.entry
-    key = tick_key(str(tick.app.main or "celery"), str(entry.name or entry.task), tick.start)
-    ttl = max(tick.end - time.time() + TICK_GRACE, 0.1)
+    key = tick_key(str(tick.app.main or "celery"), str(entry.name or entry.task))
+    # A duration, counted by Redis from now: no beat's wall clock decides when it ends.
+    ttl = max(tick.gap - tick_margin(tick.gap), 0.05)
     manager = task._dlock().manager
     try:
-        # The key names its slot and is never taken twice: its fence counter has no use
-        # beyond the key's own life.
+        # Never renewed nor released, only replaced once expired: its fence counter has no
+        # use beyond the key's own life.
         claimed = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, fence_retention=ttl)
     except LockContended as exc:
         first = exc.holder.holder if exc.holder else None

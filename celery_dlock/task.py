@@ -163,7 +163,7 @@ class SingletonTask(_TaskBase):
         resolved = self._dlock()
         key = resolved.keys(args, kwargs)
         # Marked at publish as a duplicate: of a queued task (enqueue-time mode, send_task), or
-        # of the beat send that already ran this schedule slot.
+        # of the beat send that already sent this run of its schedule entry.
         duplicate_of = getattr(request, HEADER_DUPLICATE_OF, None)
         if duplicate_of:
             return self._drop_marked(key, duplicate_of)
@@ -321,7 +321,7 @@ class SingletonTask(_TaskBase):
         self._signal(key, None, "drop")
         tick = getattr(self.request, HEADER_TICK, None)
         if tick:
-            why = f"beat already sent this schedule slot ({tick}) as task {duplicate_of}"
+            why = f"beat already sent this run ({tick}) as task {duplicate_of}"
         else:
             why = f"published while task {duplicate_of} held {key!r}; that task runs instead"
         return self._drop(key, None, duplicate_of, why)

@@ -130,7 +130,7 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
 
 
 def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:
-    """A beat send of a SingletonTask: take its schedule slot, or mark it a duplicate."""
+    """A beat send of a SingletonTask: take its tick key, or mark it a duplicate."""
     task = tick.app.tasks.get(name)
     if isinstance(task, SingletonTask) and headers.get("id"):
         mark_send(task, headers["id"], headers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -16,7 +17,14 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab, schedule
 
 from celery_dlock import SingletonTask
-from celery_dlock.beat import HEADER_DUPLICATE_OF, _wrap_apply_async, tick_key, tick_slot
+from celery_dlock.beat import (
+    HEADER_DUPLICATE_OF,
+    _wrap_apply_async,
+    tick_gap,
+    tick_key,
+    tick_margin,
+    tick_slot,
+)
 from celery_dlock.testing import free_port
 from tests.clients import client
 
@@ -55,9 +63,67 @@ def test_a_crontab_catch_up_send_maps_to_the_run_it_makes_up_for() -> None:
     )
 
 
-def test_tick_keys_name_the_app_the_entry_and_the_slot() -> None:
-    assert tick_key("proj", "e", 1000.0) == "beat-tick:proj:e:1970-01-01T00:16:40"
-    assert tick_key("proj", "fast", 1000.25) == "beat-tick:proj:fast:1970-01-01T00:16:40.250"
+def test_tick_keys_name_the_app_and_the_entry() -> None:
+    assert tick_key("proj", "e") == "beat-tick:proj:e"
+
+
+def local(zone: str, text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=ZoneInfo(zone)).timestamp()
+
+
+def zoned_app(zone: str) -> Celery:
+    app = Celery("zoned", set_as_current=False)
+    app.conf.timezone = zone
+    return app
+
+
+def test_crontab_fields_are_read_in_the_apps_timezone() -> None:
+    # The review's case: Asia/Tokyo, every minute of 05:xx and 06:xx. Celery before 5.7 read
+    # the fields in the timezone of the datetime it was given, and only for today's date.
+    app = zoned_app("Asia/Tokyo")
+    entry = entry_of(app, "tokyo", "t", crontab(minute="*", hour="5,6", app=app))
+    at_5 = local("Asia/Tokyo", "2026-11-22T05:00:00.300")
+    minute = (
+        local("Asia/Tokyo", "2026-11-22T05:00:00"),
+        local("Asia/Tokyo", "2026-11-22T05:01:00"),
+    )
+    assert tick_slot(entry, now=at_5)[1:] == minute
+    assert tick_gap(entry, now=at_5) == pytest.approx(59.7)
+    last = local("Asia/Tokyo", "2026-11-22T06:59:00.300")
+    assert tick_slot(entry, now=last)[2] == local("Asia/Tokyo", "2026-11-23T05:00:00")
+    before = local("Asia/Tokyo", "2026-11-22T04:59:00")  # the previous run: 06:59 yesterday
+    assert tick_slot(entry, now=before)[1] == local("Asia/Tokyo", "2026-11-21T06:59:00")
+    # Every minute of the two hours is a slot of its own: 120 sends, 120 distinct slots.
+    minutes = {tick_slot(entry, now=at_5 + 60 * n)[0] for n in range(120)}
+    assert len(minutes) == 120
+
+
+def test_a_daily_crontab_across_daylight_saving_changes() -> None:
+    app = zoned_app("Europe/Berlin")
+    entry = entry_of(app, "daily", "t", crontab(minute=30, hour=2, app=app))
+    # The review's case: the slot of a 02:30 send started at 03:30 the day before.
+    evening = local("Europe/Berlin", "2026-11-22T02:45:00")
+    assert tick_slot(entry, now=evening)[1] == local("Europe/Berlin", "2026-11-22T02:30:00")
+    # Autumn: 02:30 happens twice on 2026-10-25; the run is the first, the next day's is 25 h
+    # later (the gap is real seconds, not wall-clock ones).
+    first = datetime(2026, 10, 25, 0, 30, tzinfo=timezone.utc).timestamp()  # 02:30 CEST
+    assert tick_slot(entry, now=first + 0.5)[1] == first
+    assert tick_gap(entry, now=first + 0.5) == pytest.approx(25 * 3600 - 0.5)
+    second = first + 3600  # 02:30 CET, the same wall-clock time again: the same run
+    assert tick_slot(entry, now=second)[1] == first
+    # Spring: 02:30 does not exist on 2026-03-29; that day's run comes at 03:30 CEST (01:30
+    # UTC), and the one after 23 h later.
+    spring = datetime(2026, 3, 29, 1, 30, tzinfo=timezone.utc).timestamp()
+    assert tick_slot(entry, now=spring - 60)[2] == spring
+    assert tick_gap(entry, now=spring) == pytest.approx(23 * 3600)
+
+
+def test_tick_gaps_and_margins() -> None:
+    app = Celery("gaps", set_as_current=False)
+    every_6 = entry_of(app, "e", "t", schedule(timedelta(seconds=6)))
+    assert tick_gap(every_6, now=1003.5) == 6.0  # a beat's next send comes a period later
+    assert tick_margin(6.0) == 1.0
+    assert tick_margin(1.0) == 0.25  # short gaps: a quarter of the gap
 
 
 @pytest.fixture
@@ -108,10 +174,9 @@ def test_a_send_that_fails_gives_its_slot_back(single_urls: list[str]) -> None:
 
     (beat, _) = two_beats(app)
     entry = entry_of(app, "job", "down.job", schedule(timedelta(seconds=600)))
-    _, start, _ = tick_slot(entry)
     with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the broker client raises
         beat.apply_async(entry)
-    assert job._dlock().manager.holder(tick_key("down", "job", start)) is None
+    assert job._dlock().manager.holder(tick_key("down", "job")) is None
     app.close()
 
 
@@ -121,8 +186,10 @@ def test_a_tick_key_keeps_no_fence_counter_beyond_its_slot(beat_app: Celery) -> 
 
     (beat, _) = two_beats(beat_app)
     entry = entry_of(beat_app, "short", "ticks.short", schedule(timedelta(seconds=5)))
-    _, start, _ = tick_slot(entry)
     beat.apply_async(entry)
     manager = short._dlock().manager
-    fence = manager.redis_keys(tick_key("ticks", "short", start))[1]
-    assert 0 < client(beat_app.conf.broker_url).pttl(fence) <= (5 + 1) * 1000
+    lock_key, fence = manager.redis_keys(tick_key("ticks", "short"))[:2]
+    redis = client(beat_app.conf.broker_url)
+    # Both live until the entry's next run less the margin: 5 s - 1 s, by Redis's clock.
+    assert 3000 < redis.pttl(lock_key) <= 4000
+    assert 0 < redis.pttl(fence) <= 4000

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import time
 import venv
@@ -47,9 +48,9 @@ def user_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home
 
 
-def run_pip(env_bin: Path, args: list[str]) -> None:
+def run_pip(env_bin: Path, args: list[str], source: Path) -> None:
     assert args[:2] == ["pip", "install"], args
-    local = [re.sub(r"^celery-dlock(\[.*\])?$", rf"celery-dlock\1 @ {ROOT.as_uri()}", a)
+    local = [re.sub(r"^celery-dlock(\[.*\])?$", rf"celery-dlock\1 @ {source.as_uri()}", a)
              for a in args[2:]]  # fmt: skip
     pip = [str(env_bin / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     done = subprocess.run([*pip, *local], capture_output=True, text=True, timeout=480, check=False)
@@ -88,9 +89,16 @@ def test_the_quick_start_as_written(
     # Step 0 and 1: the install line from "Install", then the server's lines.
     install = next(m["text"] for m in re.finditer(r"## Install\s*```sh\n(?P<text>.*?)```",
                                                    PAGE.read_text(), re.S))  # fmt: skip
+    # The package as a user's pip gets it: built from a copy (pip builds a local directory in
+    # place, leaving build/ behind), with what the sdist holds.
+    source = tmp_path / "celery-dlock"
+    source.mkdir()
+    for part in ("pyproject.toml", "README.md", "celery_dlock"):
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
+        copy(ROOT / part, source / part)
     for line in commands(install) + commands(page["shell server"]):
         if line[0] == "pip":
-            run_pip(bin_dir, line)
+            run_pip(bin_dir, line, source)
             continue
         assert line[:3] == ["python", "-m", "celery_dlock.testing"], line
         log = tmp_path / "server.log"

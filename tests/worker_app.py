@@ -40,12 +40,12 @@ if os.environ.get("DLOCK_TEST_VISIBILITY"):
     }
 
 if os.environ.get("DLOCK_TEST_BEAT"):
-    # "name:seconds-the-body-takes", one entry sent every second.
-    beat_name, beat_secs = os.environ["DLOCK_TEST_BEAT"].split(":")
+    # "name:seconds-the-body-takes[:period]", one entry sent every period (default a second).
+    beat_name, beat_secs, *beat_period = os.environ["DLOCK_TEST_BEAT"].split(":")
     app.conf.beat_schedule = {
         "every-second": {
             "task": "tests.worker_app.ticked",
-            "schedule": 1.0,
+            "schedule": float(beat_period[0]) if beat_period else 1.0,
             "args": (beat_name, float(beat_secs)),
         }
     }

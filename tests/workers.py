@@ -164,10 +164,19 @@ class Worker:
 class Beat:
     """One ``celery beat`` process with its own schedule file."""
 
-    def __init__(self, env: dict[str, str], *, name: str, scheduler: str | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        *,
+        name: str,
+        scheduler: str | None = None,
+        clock_offset: float = 0.0,
+    ) -> None:
         self.env = env
         self.name = name
         self.scheduler = scheduler
+        #: Seconds this beat's wall clock is ahead (behind, if negative): run under faketime.
+        self.clock_offset = clock_offset
         self.directory = Path(tempfile.mkdtemp(prefix=f"dlock-beat-{name}-"))
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -176,8 +185,11 @@ class Beat:
         return self.directory / "beat.log"
 
     def start(self) -> Beat:
+        # faketime shifts the wall clock, and the monotonic one with it (consistently within the
+        # process; libfaketime's DONT_FAKE_MONOTONIC breaks Python's time.sleep).
+        shifted = ["faketime", "-f", f"{self.clock_offset:+g}s"] if self.clock_offset else []
         args = [
-            sys.executable, "-m", "celery", "-A", "tests.worker_app", "beat",
+            *shifted, sys.executable, "-m", "celery", "-A", "tests.worker_app", "beat",
             "-s", str(self.directory / "schedule"), "--pidfile=", "-l", "INFO",
             "--logfile", str(self.logfile), "--max-interval", "1",
             *(["-S", self.scheduler] if self.scheduler else []),
