@@ -18,6 +18,9 @@ from celery_dlock.errors import ConfigError
 from celery_dlock.redlock import LockManager
 
 _managers: dict[Settings, LockManager] = {}
+#: URL lists already checked, as given: ``lock(urls, key)`` parses and checks them once, not
+#: on every call (that was about a fifth of an uncontended lock cycle).
+_by_urls: dict[tuple[str, ...], LockManager] = {}
 _app_managers: weakref.WeakKeyDictionary[Any, LockManager] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
@@ -41,7 +44,16 @@ def manager_for(app_or_urls: Any) -> LockManager:
             _app_managers[app_or_urls] = manager
         return manager
     if isinstance(app_or_urls, str | Sequence):
-        return manager_for_settings(Settings(urls=check_urls(app_or_urls)))
+        given = (app_or_urls,) if isinstance(app_or_urls, str) else tuple(app_or_urls)
+        try:
+            manager = _by_urls.get(given)
+        except TypeError:  # an unhashable entry: not a URL; check_urls says so below
+            manager = None
+        if manager is None:
+            manager = manager_for_settings(Settings(urls=check_urls(app_or_urls)))
+            if len(_by_urls) < 1000:  # URL lists built per call must not grow this unbounded
+                _by_urls[given] = manager
+        return manager
     raise ConfigError(
         "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
         f"{type(app_or_urls).__name__} ({app_or_urls!r})."
