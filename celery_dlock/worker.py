@@ -179,7 +179,9 @@ def say_where_locks_are(sender: Any = None, **_: Any) -> None:
     if report.ok:
         log_start.info("celery_dlock: %d singleton task(s); locks on %s", len(report.tasks), urls)
         return
-    if report.nodes and report.quorum_reached:
+    if not report.nodes:  # the settings themselves are wrong
+        effect = "every SingletonTask fails with ConfigError until they are fixed"
+    elif report.quorum_reached:
         effect = "locks still work with the nodes that answered"
     else:
         effect = "every SingletonTask is requeued (on_lock_unavailable) until they answer"
