@@ -7,8 +7,17 @@ five for the Redlock rows) and measures, in one run on those servers:
 * ``raw``         ``SET key token NX PX ttl`` + a compare-and-delete Lua ``Script`` (one server),
 * ``redis-py``    redis-py's ``Lock``: ``acquire(blocking=False)`` + ``release()``,
 * ``pottery-1``   pottery's ``Redlock`` on one master, ``pottery-5`` on five,
-* ``ours-1``      ``manager.acquire(key, ttl=10, renew=False)`` + ``lease.release()``, one URL,
-* ``ours-5``      the same on five URLs (Redlock).
+* ``redis-lock``  python-redis-lock's ``Lock``: ``acquire(blocking=False)`` + ``release()``,
+* ``ours-1``      ``manager.acquire(key, ttl=10, renew=False)`` + ``lease.release()``, one URL:
+                  the internal path, without the public wrapper,
+* ``ours-5``      the same on five URLs (Redlock),
+* ``lock-urls-1`` what users write: ``with celery_dlock.lock([url], key, ttl=10):`` (renewed
+                  while held, as by default), ``lock-urls-5`` the same on five URLs,
+* ``lock-app-1``  ``with celery_dlock.lock(app, key, ttl=10):`` for a Celery app whose
+                  ``dlock_urls`` is the one URL.
+
+``--no-hiredis`` runs everything as if hiredis were not installed (redis-py's Python parser
+and packer, and ours), the way a user without the ``[fast]`` extra runs it.
 
 Variants are interleaved: every round runs ``--cycles`` cycles of each, in forward order on
 even rounds and reverse order on odd ones, so machine noise falls on all of them alike. Each
@@ -29,26 +38,34 @@ A second, untimed pass checks Redlock releases: after each pottery-5 and ours-5 
 clients ask every master whether the lock key still exists (pottery returns from ``release``
 once a majority answered; ours waits for every node).
 
-Run: ``.venv/bin/python benchmarks/lock_cycle.py [--cycles N] [--rounds R] [--json]``.
+Run: ``.venv/bin/python benchmarks/lock_cycle.py [--cycles N] [--rounds R] [--no-hiredis]
+[--json]``.
 """
 
 from __future__ import annotations
+
+import sys
+
+if "--no-hiredis" in sys.argv:  # before redis-py is imported: it picks its parser on import
+    sys.modules["hiredis"] = None  # type: ignore[assignment]
 
 import argparse
 import gc
 import json
 import secrets
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis_lock
 from _common import machine, pin
+from celery import Celery
 from pottery import Redlock
 
+from celery_dlock import lock
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import redis_servers
 
@@ -65,8 +82,13 @@ return 0
 
 #: (numerator, denominator, target or None) for the ratios printed after the table.
 RATIOS: tuple[tuple[str, str, float | None], ...] = (
+    ("lock-urls-1", "raw", 1.10),
+    ("lock-urls-1", "ours-1", 1.03),
+    ("lock-app-1", "ours-1", 1.03),
+    ("lock-urls-5", "lock-urls-1", 1.6),
     ("ours-1", "raw", 1.10),
     ("ours-5", "ours-1", 1.6),
+    ("redis-lock", "raw", None),
     ("pottery-5", "pottery-1", None),
     ("ping", "raw", None),
     ("redis-py", "raw", None),
@@ -183,6 +205,23 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
 
         return cycle
 
+    prl = redis_lock.Lock(client(single_url), "bench:prl", expire=TTL_S)
+
+    def python_redis_lock() -> None:
+        if not prl.acquire(blocking=False):
+            raise RuntimeError("python-redis-lock not acquired")
+        prl.release()
+
+    def public(target: Any, key: str) -> Callable[[], None]:
+        def cycle() -> None:
+            with lock(target, key, ttl=TTL_S):
+                pass
+
+        return cycle
+
+    app = Celery("bench", set_as_current=False)
+    app.conf.dlock_urls = [single_url]
+
     return [
         Variant("ping", "redis-py PING round trip", ping),
         Variant("raw", "SET NX PX + compare-and-delete Script", raw),
@@ -199,6 +238,20 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
         ),
         Variant("ours-1", "celery_dlock, single Redis", ours([single_url], "bench:ours1")),
         Variant("ours-5", "celery_dlock, Redlock over 5", ours(redlock_urls, "bench:ours5")),
+        Variant("redis-lock", "python-redis-lock Lock", python_redis_lock),
+        Variant(
+            "lock-urls-1",
+            "with celery_dlock.lock([url], key): single",
+            public([single_url], "bench:urls1"),
+        ),
+        Variant(
+            "lock-urls-5",
+            "with celery_dlock.lock(urls, key): Redlock over 5",
+            public(list(redlock_urls), "bench:urls5"),
+        ),
+        Variant(
+            "lock-app-1", "with celery_dlock.lock(app, key): single", public(app, "bench:app1")
+        ),
     ]
 
 
@@ -288,6 +341,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "machine": {**machine("pottery"), "redis-server": info["redis_version"]},
         "settings": {
+            "hiredis": not args.no_hiredis,
             "cycles": args.cycles,
             "rounds": args.rounds,
             "warmup": args.warmup,
@@ -313,7 +367,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def print_report(result: dict[str, Any]) -> None:
     m, s = result["machine"], result["settings"]
     print(
-        f"Python {m['python']}, redis-py {m['redis-py']}, hiredis {m['hiredis']}, "
+        f"Python {m['python']}, redis-py {m['redis-py']}, "
+        f"hiredis {m['hiredis'] if sys.modules.get('hiredis') else 'OFF'}, "
         f"pottery {m['pottery']}, Redis {m['redis-server']}; {m['nproc']} CPU(s): {m['cpu']}"
     )
     print(f"celery_dlock: {m['celery_dlock']}")
@@ -323,20 +378,20 @@ def print_report(result: dict[str, Any]) -> None:
         f"(after {s['warmup']} warm-up cycles); figures are medians over rounds\n"
     )
     print(
-        f"{'variant':<10} {'mean us':>8} {'median us':>10} {'/ raw':>6} "
+        f"{'variant':<11} {'mean us':>8} {'median us':>10} {'/ raw':>6} "
         f"{'client CPU':>11} {'server CPU':>11}  per-round medians (us)"
     )
     raw = result["variants"]["raw"]["median_us"]
     for name, v in result["variants"].items():
         spread = " ".join(f"{x:.0f}" for x in v["round_medians_us"])
         print(
-            f"{name:<10} {v['mean_us']:>8.1f} {v['median_us']:>10.1f} "
+            f"{name:<11} {v['mean_us']:>8.1f} {v['median_us']:>10.1f} "
             f"{v['median_us'] / raw:>6.2f} {v['client_cpu_us']:>11.1f} "
             f"{v['server_cpu_us']:>11.1f}  {spread}"
         )
     print("\nratios of medians (of means in brackets)")
     for key, r in result["ratios"].items():
-        line = f"  {key:<20} {r['median']:>6.3f}  ({r['mean']:.3f})"
+        line = f"  {key:<24} {r['median']:>6.3f}  ({r['mean']:.3f})"
         if r["target"] is not None:
             line += f"   target <= {r['target']}: {'met' if r['met_median'] else 'MISSED'}"
             if r["met_median"] != r["met_mean"]:
@@ -369,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("split", "same", "none"),
         default="split",
         help="CPU placement of this process and the servers (see the module docstring)",
+    )
+    parser.add_argument(
+        "--no-hiredis", action="store_true", help="run as if hiredis were not installed"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
