@@ -20,9 +20,12 @@ stopped), and moves the fencing counter on, so the holder's token is stale at on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from celery_dlock.config import check_key, quorum
+from celery import Celery
+from celery.local import maybe_evaluate
+
+from celery_dlock.config import beat_settings, check_key, quorum
 from celery_dlock.diagnose import describe
 from celery_dlock.endpoints import redact
 from celery_dlock.errors import ConfigError
@@ -112,27 +115,36 @@ class CheckReport:
 
 
 def check(app: Any, *, reach: bool = True) -> CheckReport:
-    """Check an app the way a worker meets it, before any task runs.
+    """Check a Celery app the way a worker meets it, before any task runs.
 
     Creates the app's tasks (Celery creates ``@app.task`` classes lazily, so a wrong
     ``SingletonTask`` option otherwise surfaces at the task's first use), reads the
-    ``dlock_*`` settings, and with ``reach`` runs a lock script on every node. Never raises
-    for what it finds: each problem is one line of the report.
+    ``dlock_*`` settings (the beat scheduler's too), and with ``reach`` runs a lock script on
+    every node. Never raises for what it finds: each problem is one line of the report, every
+    wrong task among them.
     """
     from celery_dlock.task import SingletonTask
 
+    if not isinstance(app, Celery):  # (hasattr(app, "tasks") would finalize it)
+        raise ConfigError(
+            f"check needs a Celery app, not {type(app).__name__} ({app!r}); for a list of "
+            "URLs, node_errors(manager_for(urls)) says which nodes answer."
+        )
     report = CheckReport()
+    report.problems += _create_tasks(app)
     try:
-        tasks = dict(app.tasks)  # finalizes the app: every task class is created and checked
+        tasks = dict(app.tasks)  # finalizes the app (done already if the above went well)
     except ConfigError as exc:
-        report.problems.append(str(exc))
-        return report
+        if str(exc) not in report.problems:
+            report.problems.append(str(exc))
+        tasks = dict(getattr(app, "_tasks", {}))  # those that could be created
     singletons = sorted(n for n, t in tasks.items() if isinstance(t, SingletonTask))
     report.tasks = singletons
     try:
+        beat_settings(app)
         manager = manager_for(app)
         for name in singletons:
-            tasks[name]._dlock()  # the task's settings resolved, as its first run does
+            cast(SingletonTask, tasks[name])._dlock()  # resolved, as its first run does
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
@@ -142,3 +154,17 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
         f"cannot reach lock node {url} ({error.rstrip('.')})" for url, error in failed.items()
     ]
     return report
+
+
+def _create_tasks(app: Any) -> list[str]:
+    """Create the tasks an unfinalized app has pending, one by one, so that every wrong one
+    is reported (finalizing stops at the first); the problems found."""
+    problems: list[str] = []
+    if getattr(app, "finalized", True):
+        return problems
+    for pending in list(getattr(app, "_pending", ())):
+        try:
+            maybe_evaluate(pending)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems

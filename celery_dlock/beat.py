@@ -44,6 +44,7 @@ from typing import Any
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.signals import beat_init
 
+from celery_dlock.config import beat_settings
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
@@ -281,10 +282,7 @@ class LeaderScheduler(PersistentScheduler):
         super().__init__(*args, **kwargs)
 
     def _settings(self) -> tuple[str, float]:
-        conf = self.app.conf
-        key = conf.get("dlock_beat_key") or f"beat-leader:{self.app.main or 'celery'}"
-        ttl = float(conf.get("dlock_beat_ttl", 10.0))
-        return key, ttl
+        return beat_settings(self.app)
 
     def _max_interval(self) -> float:
         return float(self.max_interval or 300)

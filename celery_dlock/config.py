@@ -16,6 +16,7 @@ setting                           default      meaning
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from collections.abc import Sequence
@@ -194,25 +195,85 @@ class Settings:
             )
 
 
+#: Every ``dlock_*`` setting there is; any other is refused, so that a misspelt one
+#: (``dlock_url``) cannot quietly leave the locks on the broker's Redis.
+SETTINGS = (
+    "dlock_urls",
+    "dlock_ttl",
+    "dlock_prefix",
+    "dlock_node_timeout",
+    "dlock_drift_factor",
+    "dlock_fence_retention",
+    "dlock_beat_ttl",
+    "dlock_beat_key",
+)
+DEFAULT_BEAT_TTL = 10.0
+
+
+def check_setting_names(conf: Any) -> None:
+    """Refuse a ``dlock_*`` setting this library does not have, naming the closest one."""
+    try:
+        names = [str(name) for name in conf]
+    except Exception:  # a configuration object that cannot list its keys: nothing to check
+        return
+    for name in names:
+        lowered = name.lower()
+        bare = lowered.removeprefix("celery_")  # a Django-style CELERY_ namespace
+        if bare.startswith("dlock_") and bare not in SETTINGS:
+            close = difflib.get_close_matches(bare, SETTINGS, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"setting {name!r} is not a celery_dlock setting (they are "
+                f"{', '.join(SETTINGS)}).{hint}"
+            )
+
+
+def beat_settings(app: Any) -> tuple[str, float]:
+    """The leader-elected scheduler's lock key and lease ttl, checked."""
+    conf = app.conf
+    key = conf.get("dlock_beat_key") or f"beat-leader:{app.main or 'celery'}"
+    if not isinstance(key, str):
+        raise ConfigError(f"dlock_beat_key must be a str, not {key!r}.")
+    ttl = check_ttl("dlock_beat_ttl", conf.get("dlock_beat_ttl", DEFAULT_BEAT_TTL))
+    return check_key(key), ttl
+
+
+def broker_lock_urls(conf: Any) -> list[str]:
+    """The lock URL the broker setting gives when ``dlock_urls`` is not set."""
+    broker = conf.get("broker_url") or ""
+    shown = redact(str(broker)) or "unset"
+    scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
+    if ";" in str(broker) and scheme != "sentinel":
+        raise ConfigError(
+            f"dlock_urls is not set and the broker URL is a failover list ({shown}), which a "
+            "lock cannot follow; set app.conf.dlock_urls = ['redis://host:6379/0'] (or three "
+            "or more independent masters for Redlock)."
+        )
+    if scheme in ("redis", "rediss"):
+        rest = broker.split("://", 1)[1]
+        # kombu reads a bare redis:// as the local default server
+        return [broker if rest.strip("/") else f"{scheme}://localhost:6379/0"]
+    if scheme == "redis+socket":  # kombu's Unix-socket Redis
+        return ["unix://" + broker.split("://", 1)[1]]
+    if scheme == "sentinel":
+        return [sentinel_url_from_kombu(broker, conf.get("broker_transport_options") or {})]
+    raise ConfigError(
+        f"dlock_urls is not set and the broker is not Redis ({shown}); set "
+        "app.conf.dlock_urls = ['redis://host:6379/0'] (or three or more URLs for Redlock)."
+    )
+
+
 def settings_from_app(app: Any) -> Settings:
     """Read the ``dlock_*`` settings of a Celery app; ``dlock_urls`` falls back to the broker."""
     conf = app.conf
+    check_setting_names(conf)
     urls = conf.get("dlock_urls")
+    setting = "dlock_urls"
     if urls is None:
-        broker = conf.get("broker_url") or ""
-        scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
-        if scheme in ("redis", "rediss"):
-            urls = [broker]
-        elif scheme == "sentinel":
-            urls = [sentinel_url_from_kombu(broker, conf.get("broker_transport_options") or {})]
-        else:
-            raise ConfigError(
-                "dlock_urls is not set and the broker is not Redis "
-                f"({redact(str(broker)) or 'unset'}); set app.conf.dlock_urls = "
-                "['redis://host:6379/0'] (or three or more URLs for Redlock)."
-            )
+        urls = broker_lock_urls(conf)
+        setting = "broker_url (used as dlock_urls is not set)"
     return Settings(
-        urls=check_urls(urls),
+        urls=check_urls(urls, setting),
         ttl=conf.get("dlock_ttl", DEFAULT_TTL),
         prefix=conf.get("dlock_prefix", DEFAULT_PREFIX),
         node_timeout=conf.get("dlock_node_timeout", DEFAULT_NODE_TIMEOUT),

@@ -16,12 +16,15 @@ are redis-py's own, parsed by redis-py. Passwords never leave this module unreda
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-from redis.connection import parse_url
+from redis.connection import Connection, parse_url
 
 from celery_dlock.errors import ConfigError
 
@@ -32,7 +35,7 @@ SCHEMES = PLAIN_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES
 DEFAULT_SENTINEL_PORT = 26379
 #: Query options that configure the sentinels rather than the master.
 SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username")
-_SECRET_MARKERS = ("password", "secret", "token")
+_SECRET_MARKERS = ("pas", "pwd", "secret", "token")  # "pas": misspelt passwords too
 #: TLS query options that name files, checked when the URL is parsed.
 TLS_FILES = {
     "ssl_ca_certs": "the CA certificate(s) that signed the server's certificate",
@@ -224,6 +227,26 @@ def parse(url: Any, setting: str = "dlock_urls") -> Endpoint:
     return Endpoint(url, "cluster", hosts, options)
 
 
+@functools.cache
+def _connection_options(connection_class: type) -> frozenset[str]:
+    """The keyword arguments a redis-py connection class (and its bases) accepts."""
+    names: set[str] = set()
+    for cls in connection_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names.update(
+            p.name
+            for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+        )
+    return frozenset(names | {"path"})
+
+
 def _plain(url: str, parts: Any, scheme: str, setting: str, shown: str) -> Endpoint:
     if scheme == "unix":
         if not parts.path:
@@ -268,6 +291,16 @@ def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str
         options = dict(parse_url(url))  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigError(f"{setting}: {redact(url)!r}: {exc}") from None
+    known = _connection_options(options.get("connection_class", Connection))
+    unknown = sorted(k for k in options if k not in known and k != "connection_class")
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"{setting}: {redact(url)!r} has query option {unknown[0]!r}, which redis-py's "
+            f"connections do not take (options are redis-py's: socket_timeout, ssl_ca_certs, "
+            f"...).{hint}"
+        )
     for name, what in TLS_FILES.items():
         path = options.get(name)
         if isinstance(path, str) and not os.path.isfile(path):

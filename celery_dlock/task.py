@@ -31,6 +31,8 @@ the task class is created.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import logging
 import math
 import random
@@ -57,6 +59,21 @@ from celery_dlock.signals import lock_contended
 
 log = logging.getLogger("celery_dlock.task")
 
+#: Every task option of SingletonTask (a name close to one of these is a misspelling).
+OPTIONS = (
+    "lock_key",
+    "lock_ttl",
+    "on_duplicate",
+    "lock_on",
+    "lock_wait",
+    "lock_requeue_max",
+    "lock_requeue_delay",
+    "lock_requeue_max_delay",
+    "on_lock_lost",
+    "lock_max_hold",
+    "lock_queued_ttl",
+    "on_lock_unavailable",
+)
 POLICIES = ("drop", "requeue", "raise", "wait")
 LOCK_ON = ("execute", "enqueue")
 ON_LOST = ("raise", "flag")
@@ -321,7 +338,11 @@ class SingletonTask(_TaskBase):
         self._signal(key, None, "drop")
         tick = getattr(self.request, HEADER_TICK, None)
         if tick:
-            why = f"beat already sent this run ({tick}) as task {duplicate_of}"
+            entry = str(tick).rsplit(":", 1)[0]
+            why = (
+                f"beat already sent this run of {entry!r} as task {duplicate_of} (another send "
+                "of the entry holds its tick key, which lasts until the entry's next run)"
+            )
         else:
             why = f"published while task {duplicate_of} held {key!r}; that task runs instead"
         return self._drop(key, None, duplicate_of, why)
@@ -343,8 +364,7 @@ class SingletonTask(_TaskBase):
         self, key: str, exc: LockUnavailable, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any:
         if self.on_lock_unavailable == "raise":
-            log.error("task %s[%s]: %s", self.name, self.request.id, exc)
-            raise exc
+            raise exc  # Celery logs the failure, with this message
         return self._requeue(HEADER_UNAVAILABLE, exc, args, kwargs)
 
     def _requeue(
@@ -724,6 +744,10 @@ class _Resolved:
         return float(limit) if limit else None
 
 
+#: What Celery's Task itself has (read without getattr: some warn on access).
+_TASK_ATTRIBUTES = frozenset(dir(Task))
+
+
 def check_options(cls: type[SingletonTask]) -> None:
     """Fail at task definition on any bad option, naming the task, the option and the fix."""
     name = getattr(cls, "name", None) or cls.__qualname__
@@ -738,6 +762,14 @@ def check_options(cls: type[SingletonTask]) -> None:
                 f"{where}: {option}={value!r} is not one of {', '.join(map(repr, allowed))}.{hint}"
             )
 
+    for attribute in cls.__dict__:
+        if attribute in OPTIONS or attribute.startswith("_") or attribute in _TASK_ATTRIBUTES:
+            continue
+        close = difflib.get_close_matches(attribute, OPTIONS, n=1, cutoff=0.85)
+        if close:  # a keyword Celery would keep as a plain attribute, silently ignored
+            raise ConfigError(
+                f"{where}: {attribute!r} is not a SingletonTask option. Did you mean {close[0]!r}?"
+            )
     choice("on_duplicate", POLICIES)
     choice("lock_on", LOCK_ON)
     choice("on_lock_unavailable", ON_UNAVAILABLE)
@@ -766,8 +798,17 @@ def check_options(cls: type[SingletonTask]) -> None:
         )
     run = cls.__dict__.get("run")
     if run is not None:
-        # Validates lock_key against the signature now, not at the first call.
-        KeyBuilder(name, getattr(run, "__func__", run), cls.lock_key)
+        # Validates lock_key against the signature now, not at the first call: the signature
+        # the task is called with, so a method's ``self`` is no argument.
+        if isinstance(run, staticmethod):
+            signature_of = run.__func__
+        elif isinstance(run, classmethod):
+            signature_of = functools.partial(run.__func__, cls)
+        elif inspect.isfunction(run):  # a method (a class body's, or a bind=True task's)
+            signature_of = functools.partial(run, None)
+        else:
+            signature_of = run
+        KeyBuilder(name, signature_of, cls.lock_key)
 
 
 def _utcnow() -> datetime:

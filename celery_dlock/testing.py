@@ -236,11 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m celery_dlock.testing",
         description="Run a throwaway redis-server on 127.0.0.1 until Ctrl-C, for trying "
-        "celery_dlock. Nothing is saved: every key is gone when it stops.",
+        "celery_dlock. Unless --dir is given, nothing is saved: every key is gone when it stops.",
     )
     parser.add_argument("--port", type=int, default=6379, help="port to listen on (6379)")
     parser.add_argument(
-        "--appendonly", action="store_true", help="keep keys across restarts of this server"
+        "--dir",
+        type=Path,
+        help="keep the data in this directory (append-only file), so that it survives a "
+        "restart of this command; without it nothing is saved",
     )
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
@@ -255,9 +258,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = RedisServer(port=args.port, appendonly=args.appendonly)
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    server = RedisServer(port=args.port, directory=args.dir, appendonly=args.dir is not None)
     stop = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
+        try:
+            server.start()
+        except RuntimeError as exc:  # the port taken after all, a bad directory, ...
+            print(f"error: {exc}", file=sys.stderr)
+            server.close()
+            return 2
         with server:
             print(
                 f"redis-server ({binary}) ready at redis://127.0.0.1:{args.port}/0; "

@@ -184,5 +184,10 @@ def say_where_locks_are(sender: Any = None, **_: Any) -> None:
     elif report.quorum_reached:
         effect = "locks still work with the nodes that answered"
     else:
-        effect = "every SingletonTask is requeued (on_lock_unavailable) until they answer"
-    log_start.warning("celery_dlock: %s. So %s.", "; ".join(report.problems), effect)
+        effect = (
+            "until they answer, SingletonTasks cannot take their locks: each is requeued with "
+            "backoff up to lock_requeue_max times, or fails at once with "
+            "on_lock_unavailable='raise'"
+        )
+    problems = "; ".join(p.rstrip(".") for p in report.problems)
+    log_start.warning("celery_dlock: %s. So %s.", problems, effect)

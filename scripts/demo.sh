@@ -4,4 +4,6 @@
 # Extra arguments go to the demo, e.g. scripts/demo.sh --redis-url redis://host:6379/0
 set -euo pipefail
 . "$(dirname "$0")/_venv.sh" "demo"
-python -m example_project "$@"
+# From where it was run, so that relative paths (--timeline runs.svg) land there.
+cd "$caller"
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" exec python -m example_project "$@"

@@ -126,6 +126,11 @@ app.conf.dlock_urls = ["redis://127.0.0.1:{port}/0"]
 @app.task(base=SingletonTask, on_duplicate="reque")
 def collect(source, entity):
     return source
+
+
+@app.task(base=SingletonTask, lock_key="meta:{{sorce}}")
+def assign(source, entity):
+    return source
 """
 
 
@@ -150,7 +155,10 @@ def test_when_a_wrong_task_option_is_reported(tmp_path: Path, single_urls: list[
     # So does `celery dlock check`, before any worker starts, with exit status 1.
     checked = run(tmp_path, "-m", "celery", "-A", "lazy_opts", "dlock", "check")
     assert checked.returncode == 1
+    # Every wrong task, not only the first Celery happens to create.
     assert "problem: task 'lazy_opts.collect': on_duplicate='reque'" in checked.stderr
+    assert "problem: task 'lazy_opts.assign': lock_key names 'sorce'" in checked.stderr
+    assert "Did you mean 'source'?" in checked.stderr
     # A SingletonTask subclass is checked by its class statement: at import.
     (tmp_path / "eager_opts.py").write_text(
         textwrap.dedent(

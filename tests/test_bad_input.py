@@ -267,3 +267,83 @@ def test_runtime_bad_input_table() -> None:
             assert expected in got, f"{case}: {got}"
             assert "s3cret" not in got
             assert "nope" not in got
+
+
+def test_an_unknown_url_option_names_the_likely_one_and_hides_its_value() -> None:
+    with pytest.raises(ConfigError) as info:
+        lock(["redis://127.0.0.1:1/0?pasword=s3cret"], "k")
+    message = str(info.value)
+    assert "has query option 'pasword', which redis-py's connections do not take" in message
+    assert "Did you mean 'password'?" in message
+    assert "s3cret" not in message
+
+
+def test_a_misspelt_setting_is_refused_not_ignored() -> None:
+    app = Celery("t", set_as_current=False, broker="redis://127.0.0.1:1/0")
+    app.conf.dlock_url = ["redis://elsewhere:6379/0"]  # would leave the locks on the broker
+    with pytest.raises(ConfigError, match="'dlock_url' is not a celery_dlock setting") as info:
+        lock(app, "k")
+    assert "Did you mean 'dlock_urls'?" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("broker", "expected"),
+    [
+        ("redis+socket:///tmp/redis.sock", "unix:///tmp/redis.sock"),  # kombu's socket form
+        ("redis://", "redis://localhost:6379/0"),  # kombu's default server
+    ],
+)
+def test_kombu_broker_forms_give_the_same_redis_for_locks(broker: str, expected: str) -> None:
+    from celery_dlock.config import settings_from_app
+
+    app = Celery("t", set_as_current=False, broker=broker)
+    assert settings_from_app(app).urls == (expected,)
+
+
+def test_a_failover_broker_list_asks_for_dlock_urls() -> None:
+    app = Celery("t", set_as_current=False, broker="redis://a:6379;redis://b:6380")
+    with pytest.raises(ConfigError, match="the broker URL is a failover list"):
+        lock(app, "k")
+
+
+@pytest.mark.parametrize(
+    ("option", "suggestion"),
+    [({"lock_tll": 5}, "'lock_ttl'"), ({"on_duplicates": "drop"}, "'on_duplicate'")],
+)
+def test_a_misspelt_task_option_name_is_refused(option: dict[str, Any], suggestion: str) -> None:
+    from celery_dlock import SingletonTask
+
+    app = Celery("t", set_as_current=False)
+    app.conf.dlock_urls = GOOD
+    name = next(iter(option))
+
+    def body(source: str) -> str:
+        return source
+
+    task = app.task(base=SingletonTask, shared=False, **option)(body)
+    with pytest.raises(ConfigError, match=f"'{name}' is not a SingletonTask option") as info:
+        task.name  # noqa: B018 - Celery creates the task class on first use
+    assert f"Did you mean {suggestion}?" in str(info.value)
+
+
+def test_a_bound_tasks_self_is_no_key_argument() -> None:
+    from celery_dlock import SingletonTask
+
+    app = Celery("t", set_as_current=False)
+    app.conf.dlock_urls = GOOD
+
+    def body(self: Any, source: str) -> str:
+        return source
+
+    task = app.task(base=SingletonTask, bind=True, shared=False, lock_key="{self}")(body)
+    with pytest.raises(ConfigError, match="names 'self', which the task does not take"):
+        task.name  # noqa: B018
+
+
+def test_a_wrong_beat_ttl_names_its_setting() -> None:
+    from celery_dlock.config import beat_settings
+
+    app = Celery("t", set_as_current=False)
+    app.conf.dlock_beat_ttl = 0
+    with pytest.raises(ConfigError, match="dlock_beat_ttl must be > 0 seconds, got 0"):
+        beat_settings(app)

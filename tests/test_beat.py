@@ -97,7 +97,7 @@ def test_two_stock_beats_run_every_tick_exactly_once(
     assert len(dropped) >= 10
     # The worker says why: the slot was sent already (no key was held; that run had ended).
     log = worker.log()[log_from:]
-    assert log.count("dropped: beat already sent this run (every-second:") >= 10
+    assert log.count("dropped: beat already sent this run of 'every-second' as task ") >= 10
     assert "is held by" not in log
 
 

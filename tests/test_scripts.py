@@ -27,7 +27,25 @@ def test_dlock_venv_may_be_an_absolute_path(tmp_path: Path) -> None:
     assert which_python(str(venv), tmp_path) == str(venv / "bin" / "python")
 
 
-def test_dlock_venv_may_be_relative_to_the_repository(tmp_path: Path) -> None:
+def test_a_relative_dlock_venv_is_relative_to_where_the_command_runs(tmp_path: Path) -> None:
     venv = Path(sys.prefix)
-    relative = os.path.relpath(venv, ROOT)
-    assert which_python(relative, tmp_path) == str(ROOT / relative / "bin" / "python")
+    relative = os.path.relpath(venv, tmp_path)
+    assert which_python(relative, tmp_path) == str(tmp_path / relative / "bin" / "python")
+
+
+def test_the_demo_runs_from_any_directory_and_reads_paths_from_there(tmp_path: Path) -> None:
+    script = f'. "{ROOT}/scripts/_venv.sh" demo >/dev/null && echo "$caller|$repo|$PWD"'
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env={**os.environ, "DLOCK_VENV": sys.prefix},
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.stdout.strip() == f"{tmp_path}|{ROOT}|{ROOT}", done.stderr
+    # demo.sh goes back to $caller and finds its package from there: only the argument check
+    # runs here (a wrong suffix is refused before anything starts).
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh"), "--timeline", "runs.txt"], cwd=tmp_path,
+        env={**os.environ, "DLOCK_VENV": str(sys.prefix)}, capture_output=True, text=True,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "--timeline runs.txt: the file name must end in .svg or .html" in done.stderr
