@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery import Task, states
 from celery.exceptions import Ignore
@@ -48,7 +48,7 @@ from celery.utils.time import get_exponential_backoff_interval
 from celery_dlock import interrupt
 from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
-from celery_dlock.holder import Holder
+from celery_dlock.holder import Holder, head_token
 from celery_dlock.keys import KeyBuilder
 from celery_dlock.lease import Lease
 from celery_dlock.redlock import LockManager, PendingAcquire
@@ -426,13 +426,16 @@ class SingletonTask(_TaskBase):
         wanted = self._dlock().keys(args or (), kwargs or {})
         early = send_queue_lock(self, wanted, task_id, options)
         key: str | None = wanted  # with early: the reply is read in before_task_publish
+        token = early.token if early is not None else None
         if early is None:
-            key, holder_id = queue_lock(self, wanted, task_id, options)
-            if holder_id is not None:
-                return self.AsyncResult(holder_id)
-        # Marked even without a queued lock (Redis unreachable): our before_task_publish
-        # handler then leaves the message alone instead of trying again.
-        options["headers"] = {**headers, HEADER_QUEUED: 1}
+            queued = queue_lock(self, wanted, task_id, options)
+            if queued.holder_id is not None:
+                return self.AsyncResult(queued.holder_id)
+            key, token = queued.key, queued.token
+        # The message names its queued lock's acquisition, so that a worker discarding it
+        # (revoked, expired) frees that lock and nothing else. Marked even without a queued
+        # lock (Redis unreachable): our before_task_publish handler then leaves it alone.
+        options["headers"] = {**headers, HEADER_QUEUED: token or 1}
         try:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -443,8 +446,8 @@ class SingletonTask(_TaskBase):
         except BaseException:
             if early is not None:  # the reply may not have been read: the publish failed first
                 key = early.finish_quietly()
-            if key is not None:  # not published: free the key again
-                self._dlock().manager.release_by_holder(key, task_id)
+            if key is not None and token is not None:  # not published: free the key again
+                self._dlock().manager.release_token(key, token)
             raise
         finally:
             if early is not None:
@@ -471,6 +474,11 @@ class EarlyLock:
         self.key = key
         self.pending = pending
         self.taken = False  # set once the reply said this message holds the key
+
+    @property
+    def token(self) -> str:
+        """The acquisition's random token: the message carries it."""
+        return self.pending.token
 
     def finish_quietly(self) -> str | None:
         """Read the reply if that was not done; the key if this message took it."""
@@ -531,9 +539,9 @@ def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
     """In ``before_task_publish``: read the early acquisition's reply. The message goes out
     holding the key, goes out without a queued lock (Redis unreachable: logged), or is called
     off with :class:`MergedDuplicate` (another task holds the key)."""
-    _, holder_id = queue_lock(early.task, early.key, headers["id"], {}, early=early)
-    if holder_id is not None:
-        raise MergedDuplicate(holder_id)
+    queued = queue_lock(early.task, early.key, headers["id"], {}, early=early)
+    if queued.holder_id is not None:
+        raise MergedDuplicate(queued.holder_id)
 
 
 def _unsubscribe(task: SingletonTask, task_id: str) -> None:
@@ -554,27 +562,35 @@ def _running_lease(task: SingletonTask, key: str, task_id: str) -> Lease | None:
     return None
 
 
+class Queued(NamedTuple):
+    """What :func:`queue_lock` got for a message about to be published."""
+
+    key: str | None  # the key this message now holds, or None
+    holder_id: str | None  # the task holding the key instead (a duplicate of it), or None
+    token: str | None = None  # the queued lock's acquisition token, when ``key`` is set
+
+
 def queue_lock(
     task: SingletonTask,
     key: str,
     task_id: str,
     options: Mapping[str, Any],
     early: EarlyLock | None = None,
-) -> tuple[str | None, str | None]:
+) -> Queued:
     """Take the queued lock on ``key`` for a message about to be published (enqueue-time mode).
 
-    Returns ``(key, None)`` when this message now holds ``key``; ``(None, holder_id)`` when
-    another task holds it (this message is a duplicate of ``holder_id``); ``(None, None)``
-    when no lock could be taken (Redis unreachable, or a holder that is not a task): publish
-    anyway, the execution-time lock still protects the body. With ``early``, the first
-    attempt is that acquisition, already sent.
+    ``key`` set: this message now holds it, by the acquisition ``token``. ``holder_id`` set:
+    another task holds it (this message is a duplicate of that one). Neither: no lock could be
+    taken (Redis unreachable, or a holder that is not a task); publish anyway, the
+    execution-time lock still protects the body. With ``early``, the first attempt is that
+    acquisition, already sent.
     """
     manager = task._dlock().manager
     ttl = task.lock_queued_ttl + _delay_of(options)
     running = None if early is not None else _running_lease(task, key, task_id)
     if running is not None:  # a retry of the running execution: the key goes with the message
-        manager.hand_over(running, ttl)
-        return key, None
+        token = manager.hand_over(running, ttl)
+        return Queued(key, None, token) if token is not None else Queued(None, None)
     attempt = 0
     splits = 0
     revoked_checked = False
@@ -591,7 +607,7 @@ def queue_lock(
             log.warning(
                 "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
             )
-            return None, None
+            return Queued(None, None)
         except LockContended as exc:
             holder = exc.holder
             if holder is None and exc.retry_after is None and splits < QUEUE_SPLIT_RETRIES:
@@ -601,11 +617,12 @@ def queue_lock(
                 time.sleep(random.uniform(0.0, 0.01 * splits))
                 continue
             if holder is None or holder.holder is None:
-                return None, None
+                return Queued(None, None)
             if not revoked_checked and holder.queued and _revoked(task, holder.holder):
-                # The queued task was revoked before any worker saw it: the key is free.
+                # The queued task was revoked before any worker saw it: its lock (that one
+                # acquisition, not whatever holds the key by then) is free to go.
                 revoked_checked = True
-                manager.release_by_holder(key, holder.holder)
+                manager.release_token(key, holder.token)
                 continue
             if len(_held_recently) > 1000:
                 _held_recently.clear()
@@ -619,11 +636,11 @@ def queue_lock(
                 policy="merge",
                 retry_in=None,
             )
-            return None, holder.holder
+            return Queued(None, holder.holder)
         manager.forget(queued)
         if early is not None:
             early.taken = True
-        return key, None
+        return Queued(key, None, head_token(queued.head))
 
 
 #: Extra looks (at random delays up to 10 ms times the look's number) when Redlock

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, states
 from celery.backends.base import BaseBackend
 
 from celery_dlock import (
@@ -27,7 +27,7 @@ from celery_dlock import (
 )
 from tests.celery_fixtures import Mode, make_mode
 from tests.clients import client
-from tests.workers import Journal, Worker
+from tests.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 
@@ -81,6 +81,65 @@ def assert_dropped(result: Any, holder_id: str) -> None:
     assert isinstance(value, dict), f"the duplicate ran while {holder_id} held the key: {value!r}"
     assert value["dlock_dropped"] is True
     assert value["holder"] == holder_id
+
+
+# -- 1. revoke(terminate=True) with a signal the pool process does not die of -----------------
+
+
+@pytest.mark.parametrize(
+    ("signal", "env"),
+    [("SIGINT", {}), ("SIGTERM", {"REMAP_SIGTERM": "SIGQUIT"})],
+    ids=["SIGINT", "SIGTERM-remapped"],
+)
+def test_a_terminate_signal_the_pool_process_ignores_leaves_the_key_to_the_body(
+    wa: Any, journal: Journal, spawn: Any, signal: str, env: dict[str, str]
+) -> None:
+    # Prefork pool processes ignore SIGINT, and SIGTERM when the worker remaps it: the body
+    # goes on, so the parent must not free its key; the body releases it when it ends.
+    queue = f"ignored_{signal.lower()}_q"
+    spawn(f"ignored-{signal.lower()}", queue, concurrency=2, env=env)
+    name = f"ignored-{signal}"
+    first = wa.seam.apply_async((name, "return", 3.0), queue=queue)
+    journal.wait_for("start", id=first.id)
+    wa.app.control.revoke(first.id, terminate=True, signal=signal)
+    wait_state(wa, first.id, states.REVOKED)  # the parent has announced the revoke
+    assert_dropped(wa.seam_probe.apply_async((name,), queue=queue), first.id)
+    end = journal.wait_for("end", id=first.id)[0]
+    assert end["ended"] == "returned"  # the signal did not stop it
+    assert wait_free(wa, "seam:" + name, timeout=5) - end["t"] < 1.0
+    assert overlaps(intervals(journal.entries(), name=name)) == []
+
+
+# -- 3. a discarded copy of a running task ------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["expired", "revoked"])
+def test_a_discarded_copy_of_a_running_task_leaves_its_lock_alone(
+    wa: Any, journal: Journal, spawn: Any, how: str
+) -> None:
+    # Late acks and a 2 s visibility timeout: the broker hands the running task's message out
+    # again; the worker discards that copy (expired, or revoked) and announces the task
+    # revoked. That copy never ran, and the execution still running must keep its lock.
+    late = {
+        "DLOCK_TEST_ACKS_LATE": "1",
+        "DLOCK_TEST_VISIBILITY": "2",
+        "DLOCK_TEST_RESTORE_EVERY": "0.5",
+    }
+    worker = spawn(f"discard-{how}", f"discard_{how}_q", concurrency=2, env=late)
+    name = f"discarded-{how}"
+    expires = {"expires": 1.5} if how == "expired" else {}
+    first = wa.seam.apply_async((name, "return", 6.0), queue=f"discard_{how}_q", **expires)
+    journal.wait_for("start", id=first.id)
+    if how == "revoked":
+        wa.app.control.revoke(first.id)  # without terminate: the running one goes on
+    deadline = time.monotonic() + 10
+    while f"Discarding revoked task: tests.worker_app.seam[{first.id}]" not in worker.log():
+        assert time.monotonic() < deadline, worker.log()[-3000:]
+        time.sleep(0.05)
+    assert_dropped(wa.seam_probe.apply_async((name,), queue=f"discard_{how}_q"), first.id)
+    wait_state(wa, first.id, states.SUCCESS)
+    assert journal.select("lost", id=first.id) == []
+    assert [e["ended"] for e in journal.select("end", name=name)] == ["returned"]
 
 
 # -- 5. errors reach the caller whole ------------------------------------------------------------
