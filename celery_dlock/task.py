@@ -151,8 +151,16 @@ class SingletonTask(_TaskBase):
         return resolved
 
     def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The lock key a call with these arguments takes."""
-        return self._dlock().keys(args or (), kwargs or {})
+        """The lock key a call with these arguments takes, once sent with the task's serializer
+        (what the worker keys: JSON, say, gives ``{1: 10}`` back as ``{"1": 10}``)."""
+        return self._wire_key(args, kwargs, None)
+
+    def _wire_key(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, serializer: Any
+    ) -> str:
+        """The key of a call about to be published with ``serializer`` (None: the task's)."""
+        keys = self._dlock().keys
+        return keys(*keys.sent(args or (), kwargs or {}, serializer or self.serializer))
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -423,7 +431,7 @@ class SingletonTask(_TaskBase):
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        wanted = self._dlock().keys(args or (), kwargs or {})
+        wanted = self._wire_key(args, kwargs, options.get("serializer"))
         early = send_queue_lock(self, wanted, task_id, options)
         key: str | None = wanted  # with early: the reply is read in before_task_publish
         token = early.token if early is not None else None

@@ -142,6 +142,26 @@ def test_a_discarded_copy_of_a_running_task_leaves_its_lock_alone(
     assert [e["ended"] for e in journal.select("end", name=name)] == ["returned"]
 
 
+# -- 4. enqueue-time keys across the wire --------------------------------------------------------
+
+
+def test_an_enqueue_time_key_is_the_same_at_publish_and_in_the_worker(
+    wa: Any, worker: Worker, journal: Journal
+) -> None:
+    # JSON gives {1: 10} back as {"1": 10}: keyed differently at the two ends, the queued
+    # lock was never taken over, outlived the task, and swallowed every later call.
+    first = wa.seam_payload.delay({1: 10})
+    assert first.get(timeout=10) == "payload"  # released as the body ended
+    again = wa.seam_payload.delay({1: 10})
+    assert again.id != first.id, "merged into a task that had finished"
+    assert again.get(timeout=10) == "payload"
+    assert [s["id"] for s in journal.select("start", name="payload")] == [first.id, again.id]
+    # What the publisher keys is what the worker keys: the JSON round trip's form.
+    key = wa.seam_payload.lock_key_for(({1: 10},), {})
+    assert key == wa.seam_payload.lock_key_for(({"1": 10},), {})
+    assert journal.select("start", id=again.id)[0]["key"] == key
+
+
 # -- 5. errors reach the caller whole ------------------------------------------------------------
 
 
