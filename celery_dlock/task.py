@@ -14,11 +14,13 @@
         store(rows, fence=self.lease.token)
 
 The lease is taken in the worker right before the body runs (``lock_on="execute"``, the
-default) and released on every way out: return, exception, ``self.retry()``, ``Ignore`` and
-``Reject``, warm shutdown, and ``revoke(terminate=True)`` (the parent worker process releases
-what the killed child held). A worker killed outright leaves a lease that expires after
-``lock_ttl``. While the body runs, the renewal watchdog keeps the lease alive; if it is lost the
-body is stopped with :class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
+default) and released on every way out: return, exception, ``self.retry()`` (right before
+Celery publishes the retry; not when retries are exhausted), ``Ignore`` and ``Reject``, warm
+shutdown, and ``revoke(terminate=True)`` (the body as it exits, or the parent worker process
+once the killed pool process is gone; a body the signal did not stop keeps its key). A worker
+killed outright leaves a lease that expires after ``lock_ttl``. While the body runs, the
+renewal watchdog keeps the lease alive; if it is lost the body is stopped with
+:class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
 
 With ``lock_on="enqueue"`` the key is taken when the task is published, as celery-singleton
 does: a duplicate ``.delay()`` returns the ``AsyncResult`` of the task already queued or running
@@ -261,25 +263,34 @@ class SingletonTask(_TaskBase):
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Release the key before the retry is published (execution-time mode).
+        """Keep the key until Celery really publishes the retry (execution-time mode).
 
-        Celery publishes the retry before raising ``Retry``, and the retry may start on another
-        process before this one unwinds, so the key must be free first: the retried run takes
-        it again. (In enqueue-time mode the key passes to the retry message instead.)
+        Celery publishes the retry before raising ``Retry``, and the retried run may start on
+        another process before this one unwinds, so the key is released right before that
+        publish (in :meth:`apply_async`); the retried run takes it again. When Celery publishes
+        nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
+        body, whose fallback then still runs under the lock) the key stays held. In
+        enqueue-time mode the key passes to the retry message at that same publish.
+        ``throw=False`` keeps the key: the body goes on, and the retry waits for it.
         """
         lease = self.lease
-        if lease is not None and throw and self.lock_on == "execute":
-            lease.release()
-        return super().retry(
-            args=args,
-            kwargs=kwargs,
-            exc=exc,
-            throw=throw,
-            eta=eta,
-            countdown=countdown,
-            max_retries=max_retries,
-            **options,
-        )
+        retrying = lease is not None and throw and self.lock_on == "execute"
+        if retrying:
+            _retrying.lease = lease
+        try:
+            return super().retry(
+                args=args,
+                kwargs=kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
+        finally:
+            if retrying:
+                _retrying.lease = None
 
     # -- duplicates ----------------------------------------------------------------------------
 
@@ -415,9 +426,18 @@ class SingletonTask(_TaskBase):
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """In enqueue-time mode, take the key before publishing, or return the holder's result."""
+        """In enqueue-time mode, take the key before publishing, or return the holder's result.
+
+        In execution-time mode, a retry of the running execution releases its key right before
+        it is published (see :meth:`retry`).
+        """
         headers = options.get("headers") or {}
         if self.lock_on != "enqueue" or self.app.conf.task_always_eager:
+            retrying: Lease | None = getattr(_retrying, "lease", None)
+            if retrying is not None and retrying.holder == task_id:
+                # Celery's retry() publishing it: now, and only now, the key goes.
+                _retrying.lease = None
+                retrying._release_for("given up for the retry Celery published")
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
@@ -460,6 +480,10 @@ class SingletonTask(_TaskBase):
         finally:
             if early is not None:
                 take_early(task_id)
+
+
+#: Per thread: the lease of the execution whose ``retry()`` is under way (execution-time mode).
+_retrying = threading.local()
 
 
 class MergedDuplicate(BaseException):

@@ -110,6 +110,21 @@ def test_a_terminate_signal_the_pool_process_ignores_leaves_the_key_to_the_body(
     assert overlaps(intervals(journal.entries(), name=name)) == []
 
 
+# -- 2. retries exhausted: the documented fallback ---------------------------------------------
+
+
+def test_when_retries_are_exhausted_the_fallback_runs_under_the_lock(
+    wa: Any, worker: Worker, journal: Journal
+) -> None:
+    name = "exhausted"
+    result = wa.seam.delay(name, "exhausted_fallback", 2.0)
+    fallback = journal.wait_for("fallback", id=result.id)[0]
+    assert_dropped(wa.seam_probe.delay(name), result.id)
+    assert (fallback["lost"], fallback["released"]) == (False, False)
+    assert result.get(timeout=15) == "fallback"
+    assert [s["id"] for s in journal.select("start", name=name)] == [result.id]
+
+
 # -- 3. a discarded copy of a running task ------------------------------------------------------
 
 
