@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from celery import Task, states
 from celery.exceptions import Ignore
@@ -74,6 +74,57 @@ HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
 HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
 
 LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
+
+
+def _unique_on(value: Any) -> str:
+    if isinstance(value, str):
+        names: list[str] | None = [value]
+    else:
+        names = list(value) if isinstance(value, list | tuple) and value else None
+    fix = "lock_key=None (every argument)" if names is None else f"lock_key={names!r}"
+    return f"celery-singleton, which SingletonTask does not read: write {fix} instead"
+
+
+def _raise_on_duplicate(value: Any) -> str:
+    return (
+        "celery-singleton, which SingletonTask does not read: a duplicate .delay() cannot "
+        "raise here; with lock_on='enqueue' compare the id you get back (the delay_once "
+        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker"
+    )
+
+
+def _lock_expiry(value: Any) -> str:
+    return (
+        "celery-singleton, which SingletonTask does not read: write lock_queued_ttl= for the "
+        "time a message waits in the queue and lock_ttl= for the lease while it runs (renewed, "
+        "so it need not cover the run)"
+    )
+
+
+def _once(value: Any) -> str:
+    parts = ["lock_on='enqueue'"]
+    if isinstance(value, Mapping):
+        if "keys" in value:
+            parts.append(f"lock_key={list(value['keys'])!r}")
+        if "timeout" in value:
+            parts.append(f"lock_queued_ttl={value['timeout']!r}")
+    extra = ""
+    if isinstance(value, Mapping) and value.get("unlock_before_run"):
+        extra = "; unlock_before_run has no equivalent (on_duplicate='requeue' comes closest)"
+    return (
+        "celery-once, which SingletonTask does not read: write "
+        f"@app.task(base=SingletonTask, {', '.join(parts)}) instead, per task (a duplicate "
+        f"gets the queued task's result, as with graceful=True){extra}"
+    )
+
+
+#: celery-singleton's and celery-once's options -> what to write instead (given the value).
+PEER_OPTIONS: Mapping[str, Callable[[Any], str]] = {
+    "unique_on": _unique_on,
+    "raise_on_duplicate": _raise_on_duplicate,
+    "lock_expiry": _lock_expiry,
+    "once": _once,
+}
 
 
 if TYPE_CHECKING:
@@ -119,9 +170,27 @@ class SingletonTask(_TaskBase):
     #: ``lock_requeue_max`` times, then fail with LockUnavailable) or "raise" (fail at once).
     on_lock_unavailable: str = "requeue"
 
+    #: Options of celery-singleton and celery-once that this class does not read, each with
+    #: what to write instead. Left in a half-migrated task they would be ignored without a
+    #: word, so they are refused, per task and per call (:meth:`_refuse_peer_options`).
+    _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = PEER_OPTIONS
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check_options(cls)
+
+    @classmethod
+    def _refuse_peer_options(cls, found: Mapping[str, Any], where: str) -> None:
+        """Refuse peer options (``found``: name -> value) with a ConfigError naming the
+        replacement. The one place they are judged: a class that honours some of them
+        overrides this, or narrows ``_peer_options``."""
+        if not found:
+            return
+        name, value = next(iter(found.items()))
+        raise ConfigError(
+            f"{where}: {name}={value!r} is an option of {cls._peer_options[name](value)} "
+            "(see docs/migrating.md)."
+        )
 
     @classmethod
     def bind(cls, app: Any) -> Any:
@@ -431,6 +500,11 @@ class SingletonTask(_TaskBase):
         In execution-time mode, a retry of the running execution releases its key right before
         it is published (see :meth:`retry`).
         """
+        if options and not self._peer_options.keys().isdisjoint(options):
+            self._refuse_peer_options(
+                {n: options[n] for n in self._peer_options if n in options},
+                f"task {self.name!r}: apply_async()",
+            )
         headers = options.get("headers") or {}
         if self.lock_on != "enqueue" or self.app.conf.task_always_eager:
             retrying: Lease | None = getattr(_retrying, "lease", None)
@@ -813,6 +887,9 @@ def check_options(cls: type[SingletonTask]) -> None:
             f"{where}: on_duplicate='wait' does not apply with lock_on='enqueue' (duplicates "
             "are answered with the queued task's result when published)."
         )
+    cls._refuse_peer_options(
+        {n: getattr(cls, n) for n in cls._peer_options if hasattr(cls, n)}, where
+    )
     run = cls.__dict__.get("run")
     if run is not None:
         # Validates lock_key against the signature now, not at the first call.

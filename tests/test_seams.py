@@ -24,6 +24,7 @@ from celery_dlock import (
     LockContended,
     LockLost,
     LockUnavailable,
+    SingletonTask,
 )
 from tests.celery_fixtures import Mode, make_mode
 from tests.clients import client
@@ -224,3 +225,57 @@ def test_lock_errors_keep_their_fields_through_every_result_serializer(serialize
         assert type(back) is type(error)
         assert str(back) == str(error)
         assert vars(back) == vars(error), serializer
+
+
+# -- 6. leftover options of celery-singleton and celery-once -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "replacement"),
+    [
+        ({"unique_on": ["source"]}, "write lock_key=['source'] instead"),
+        ({"unique_on": "source"}, "write lock_key=['source'] instead"),
+        ({"unique_on": []}, "write lock_key=None (every argument) instead"),
+        ({"raise_on_duplicate": True}, "on_duplicate='raise'"),
+        ({"lock_expiry": 60}, "write lock_queued_ttl="),
+        (
+            {"once": {"keys": ["source"], "timeout": 60}},
+            "write @app.task(base=SingletonTask, lock_on='enqueue', lock_key=['source'], "
+            "lock_queued_ttl=60) instead",
+        ),
+    ],
+    ids=[
+        "unique_on",
+        "unique_on-str",
+        "unique_on-empty",
+        "raise_on_duplicate",
+        "lock_expiry",
+        "once",
+    ],
+)
+def test_a_peer_option_left_on_a_task_is_refused_naming_the_replacement(
+    option: dict[str, Any], replacement: str
+) -> None:
+    app = Celery("peers", set_as_current=False)
+    with pytest.raises(ConfigError) as info:
+
+        @app.task(base=SingletonTask, shared=False, name="peers.collect", **option)
+        def collect(source: str, entity: str) -> None: ...
+
+        collect._get_current_object()  # Celery builds the task class lazily
+    (name,) = option
+    assert f"task 'peers.collect': {name}={option[name]!r} is an option of celery-" in str(
+        info.value
+    )
+    assert replacement in str(info.value)
+
+
+def test_a_peer_option_given_per_call_is_refused_before_anything_is_sent(
+    wa: Any, worker: Worker, journal: Journal, mode: Mode
+) -> None:
+    with pytest.raises(ConfigError, match=r"apply_async\(\): once=\{'graceful': True\}"):
+        wa.seam.apply_async(("per-call",), once={"graceful": True})
+    with pytest.raises(ConfigError, match="unique_on="):
+        wa.seam_enqueued.apply_async(("per-call",), unique_on=["name"])
+    assert client(mode.env["DLOCK_TEST_BROKER"]).llen("celery") == 0
+    assert wa.seam.apply_async(("per-call", "return", 0.0)).get(timeout=10) == "per-call"
