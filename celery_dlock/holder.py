@@ -16,6 +16,7 @@ The value stored under a lock key is one line of JSON, readable with ``redis-cli
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import secrets
@@ -23,6 +24,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from celery_dlock import forks
 
@@ -41,6 +43,10 @@ class Holder:
     fence: int
     queued: bool = False  # held by an enqueued message, not yet by a running execution
     task: str | None = None  # the task's name, when a task holds it
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain values (how an error carries its holder through a result backend)."""
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         who = f"task {self.holder}" if self.holder else "a process"

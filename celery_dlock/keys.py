@@ -16,6 +16,11 @@ arbitrary object could differ between two calls that mean the same thing.
 
 Keys longer than :data:`LONG_KEY` characters are shortened to a readable prefix plus a SHA-256
 digest of the whole.
+
+A worker keys the arguments as the message's serializer gave them back, which is not always
+what was sent: JSON turns ``{1: 10}`` into ``{"1": 10}`` and tuples into lists, YAML sorts dict
+keys. Whoever keys a call *before* it is sent (enqueue-time mode, ``lock_key_for``) keys
+:func:`wire_form` of it, the same round trip through kombu's serializer the message takes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from kombu.serialization import dumps, loads
 
 from celery_dlock.errors import ConfigError
 
@@ -92,6 +99,77 @@ def shorten(key: str) -> str:
     return f"{key[:64]}…sha256:{digest}"
 
 
+#: Values that JSON and pickle give back as they were sent (exact types: ``bool`` is one, an
+#: ``int`` subclass is not): arguments made only of these skip the round trip.
+_STABLE = frozenset({str, int, float, bool, type(None)})
+_STABLE_SERIALIZERS = frozenset({"json", "pickle"})
+
+
+def wire_form(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    serializer: str | None,
+    task_name: str,
+    names: Sequence[str] = (),
+) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """``(args, kwargs)`` as a worker gets them from a message sent with ``serializer``.
+
+    Raises :class:`ConfigError`, naming the argument (positional ones by ``names``, the task's
+    parameter names, where given), when the serializer cannot carry a value there and back (a
+    set under JSON, a datetime under msgpack, int dict keys under msgpack): such a message
+    would fail to be sent or to be read, and no key could match across it.
+    """
+    serializer = serializer or "json"
+    if (
+        serializer in _STABLE_SERIALIZERS
+        and all(type(v) in _STABLE for v in args)
+        and all(type(v) in _STABLE for v in kwargs.values())
+    ):
+        return args, kwargs
+    try:
+        return _round_trip((list(args), dict(kwargs)), serializer)  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise _unsendable(args, kwargs, serializer, task_name, names, exc) from None
+
+
+def _round_trip(value: Any, serializer: str) -> Any:
+    content_type, encoding, data = dumps(value, serializer=serializer)
+    return loads(data, content_type, encoding, accept={content_type})
+
+
+def _unsendable(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    serializer: str,
+    task_name: str,
+    names: Sequence[str],
+    exc: Exception,
+) -> ConfigError:
+    """The error for arguments ``serializer`` cannot carry, naming the first that fails."""
+    named = [
+        (f"argument {names[i]!r}" if i < len(names) else f"positional argument {i}", v)
+        for i, v in enumerate(args)
+    ] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    which, reason = "the arguments", exc
+    for name, value in named:
+        try:
+            _round_trip([value], serializer)
+        except Exception as found:
+            which, reason = f"{name} ({_short(value)})", found
+            break
+    return ConfigError(
+        f"task {task_name!r}: {which} cannot be sent with the {serializer!r} serializer and "
+        f"read back ({type(reason).__name__}: {reason}), so the worker could not key it as it "
+        "was published. Send values this serializer carries (msgpack: no datetimes, Decimals, "
+        "UUIDs, sets or non-str dict keys; JSON: no sets), or set the task's serializer."
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class KeyBuilder:
     """Turns a task call's ``(args, kwargs)`` into its lock key; built once per task class."""
 
@@ -103,10 +181,18 @@ class KeyBuilder:
         except (TypeError, ValueError):  # a builtin or otherwise opaque callable
             self.signature = None
         self._simple_signature = self._simple()
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self._positional = [p.name for p in self._parameters().values() if p.kind in positional]
         self._build = self._make(lock_key)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         return self._build(args, kwargs)
+
+    def sent(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str | None
+    ) -> tuple[Sequence[Any], Mapping[str, Any]]:
+        """:func:`wire_form` of a call of this task: what its worker will key."""
+        return wire_form(args, kwargs, serializer, self.task_name, self._positional)
 
     def _make(self, lock_key: Any) -> KeyFunction:
         where = f"task {self.task_name!r}: lock_key"

@@ -196,6 +196,22 @@ class Lease:
         release without waiting for the nodes' replies (and returns False)."""
         return self._manager.release(self, wait=wait)
 
+    def _release_for(self, reason: str) -> None:
+        """Give the lock back for good, and report the lease lost (``reason``) from now on.
+
+        For a body that handed its key away and might still go on, such as a retry Celery has
+        just published: ``lost`` turns True and ``ensure()`` raises, without the ``on_lost``
+        callbacks or the ``lock_lost`` signal (nothing was taken from it).
+        """
+        self.release()
+        if self._lost is None:
+            self._lost = LockLost(
+                f"lock {self.key!r} (fencing token {self.token}) was released: {reason}",
+                key=self.key,
+                reason=reason,
+                token=self.token,
+            )
+
     def set_released(self) -> bool:
         """Mark released; False if it already was."""
         if self._released:

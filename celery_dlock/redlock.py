@@ -621,17 +621,18 @@ class LockManager:
             log_release.debug("released key=%s token=%s", lease.key, lease.token)
         return confirmed
 
-    def hand_over(self, lease: Lease, ttl: float) -> bool:
+    def hand_over(self, lease: Lease, ttl: float) -> str | None:
         """Turn ``lease`` into the queued lock of its own task's next message (a retry).
 
         The key keeps its fencing token and passes, without a gap, to the execution of that
         message (which takes it over). The lease itself ends here: no more renewal, no release.
-        True if a quorum confirmed; False means the lease was no longer held.
+        Returns the queued lock's acquisition token (for the message to carry) when a quorum
+        confirmed; None means the lease was no longer held.
         """
         queued_head = value_head(lease.holder, queued=True, task=_task_name(lease.sender))
         with lease.io_lock:
             if not lease.set_released():
-                return False
+                return None
             watchdog.discard(lease)
             replies = run_script(
                 self.nodes,
@@ -642,7 +643,7 @@ class LockManager:
             )
         done = sum(1 for r in replies if r == 1)
         log_release.debug("handed key=%s over to the queued retry of %s", lease.key, lease.holder)
-        return done >= self.quorum
+        return head_token(queued_head) if done >= self.quorum else None
 
     def forget(self, lease: Lease) -> None:
         """Drop a lease this process will neither renew nor release (a queued lock, a beat
@@ -650,10 +651,12 @@ class LockManager:
         lease.set_released()
 
     def release_by_holder(self, key: str, holder: str) -> bool:
-        """Delete ``key`` if its holder id is ``holder`` (e.g. a killed task's id).
+        """Delete ``key`` if its holder id is ``holder``, whichever acquisition of it holds it.
 
-        For the parent worker process of a task it terminated, and for operators. True if the
-        key was deleted on a quorum. The holder's next renewal then reports the lease lost.
+        For operators and one-shot keys (beat's tick keys). A task id can name more than one
+        execution (a redelivered copy, a retry), so releases on a task's behalf name the
+        acquisition instead (:meth:`release_token`). True if the key was deleted on a quorum.
+        The holder's next renewal then reports the lease lost.
         """
         key = check_key(key)
         keys = self.redis_keys(key)
@@ -668,6 +671,28 @@ class LockManager:
         if deleted:
             log_release.info("released key=%s held by %s on %d node(s)", key, holder, deleted)
         return deleted >= self.quorum
+
+    def release_token(self, key: str, token: str) -> bool:
+        """Delete ``key`` if the acquisition named by ``token`` holds it.
+
+        For whoever knows an acquisition has ended without releasing (the parent worker
+        process of a pool process that died holding it) or will never run (a queued message
+        discarded before it ran). True if the key was deleted on a quorum; a key held by any
+        other acquisition, of whatever task, is left alone.
+        """
+        key = check_key(key)
+        keys = self.redis_keys(key)
+        replies = run_script(
+            self.nodes,
+            "release_token",
+            (keys[0], keys[2]),
+            (token, _ms(self.settings.ttl)),
+            self.settings.node_timeout,
+        )
+        n = sum(1 for r in replies if r == 1)
+        if n:
+            log_release.info("released key=%s (acquisition %s…) on %d node(s)", key, token[:6], n)
+        return n >= self.quorum
 
     # -- inspect ---------------------------------------------------------------------------
 
@@ -856,6 +881,11 @@ class PendingAcquire:
         self._head = head
         self._started = started
         self._deferred = deferred
+
+    @property
+    def token(self) -> str:
+        """The random token of the acquisition sent (whether or not it took the key)."""
+        return head_token(self._head)
 
     def finish(self) -> Lease:
         """Read the reply: the lease, or :class:`LockContended` / :class:`LockUnavailable`."""

@@ -152,6 +152,28 @@ end
 return 0
 """
 
+#: Delete the lock if it holds one acquisition, named by its random token: for the parent
+#: worker of an execution it knows has ended, and for a queued message that will never run.
+#:
+#: KEYS[1] lock key, KEYS[2] waiter signal list. ARGV[1] the acquisition's token, ARGV[2] signal
+#: ttl in ms. Returns 1 when deleted, 0 otherwise.
+#:
+#: Every value opens with its token (see :func:`holder.value_head`), so a prefix compares it.
+#: Unlike RELEASE_HOLDER, which any execution of a task id matches, this never frees the lock
+#: of another execution of the same task (a redelivered copy, the retried run).
+RELEASE_TOKEN = """
+local cur = redis.call('GET', KEYS[1])
+local prefix = '{"token":"' .. ARGV[1] .. '"'
+if not cur or string.sub(cur, 1, #prefix) ~= prefix then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
 #: Extend every listed lock we still own: the watchdog's batched renewal, one call per node.
 #:
 #: KEYS[3i-2] lock key i, KEYS[3i-1] its fence counter key, KEYS[3i] its revoked marker (see
@@ -246,6 +268,7 @@ ALL = {
     "release": RELEASE,
     "void": VOID,
     "release_holder": RELEASE_HOLDER,
+    "release_token": RELEASE_TOKEN,
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
     "handover": HANDOVER,

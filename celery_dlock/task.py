@@ -14,11 +14,13 @@
         store(rows, fence=self.lease.token)
 
 The lease is taken in the worker right before the body runs (``lock_on="execute"``, the
-default) and released on every way out: return, exception, ``self.retry()``, ``Ignore`` and
-``Reject``, warm shutdown, and ``revoke(terminate=True)`` (the parent worker process releases
-what the killed child held). A worker killed outright leaves a lease that expires after
-``lock_ttl``. While the body runs, the renewal watchdog keeps the lease alive; if it is lost the
-body is stopped with :class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
+default) and released on every way out: return, exception, ``self.retry()`` (right before
+Celery publishes the retry; not when retries are exhausted), ``Ignore`` and ``Reject``, warm
+shutdown, and ``revoke(terminate=True)`` (the body as it exits, or the parent worker process
+once the killed pool process is gone; a body the signal did not stop keeps its key). A worker
+killed outright leaves a lease that expires after ``lock_ttl``. While the body runs, the
+renewal watchdog keeps the lease alive; if it is lost the body is stopped with
+:class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
 
 With ``lock_on="enqueue"`` the key is taken when the task is published, as celery-singleton
 does: a duplicate ``.delay()`` returns the ``AsyncResult`` of the task already queued or running
@@ -40,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from celery import Task, states
 from celery.exceptions import Ignore
@@ -50,7 +52,7 @@ from celery.utils.time import get_exponential_backoff_interval
 from celery_dlock import interrupt
 from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
-from celery_dlock.holder import Holder
+from celery_dlock.holder import Holder, head_token
 from celery_dlock.keys import KeyBuilder
 from celery_dlock.lease import Lease
 from celery_dlock.redlock import LockManager, PendingAcquire
@@ -89,6 +91,57 @@ HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
 HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
 
 LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
+
+
+def _unique_on(value: Any) -> str:
+    if isinstance(value, str):
+        names: list[str] | None = [value]
+    else:
+        names = list(value) if isinstance(value, list | tuple) and value else None
+    fix = "lock_key=None (every argument)" if names is None else f"lock_key={names!r}"
+    return f"celery-singleton, which SingletonTask does not read: write {fix} instead"
+
+
+def _raise_on_duplicate(value: Any) -> str:
+    return (
+        "celery-singleton, which SingletonTask does not read: a duplicate .delay() cannot "
+        "raise here; with lock_on='enqueue' compare the id you get back (the delay_once "
+        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker"
+    )
+
+
+def _lock_expiry(value: Any) -> str:
+    return (
+        "celery-singleton, which SingletonTask does not read: write lock_queued_ttl= for the "
+        "time a message waits in the queue and lock_ttl= for the lease while it runs (renewed, "
+        "so it need not cover the run)"
+    )
+
+
+def _once(value: Any) -> str:
+    parts = ["lock_on='enqueue'"]
+    if isinstance(value, Mapping):
+        if "keys" in value:
+            parts.append(f"lock_key={list(value['keys'])!r}")
+        if "timeout" in value:
+            parts.append(f"lock_queued_ttl={value['timeout']!r}")
+    extra = ""
+    if isinstance(value, Mapping) and value.get("unlock_before_run"):
+        extra = "; unlock_before_run has no equivalent (on_duplicate='requeue' comes closest)"
+    return (
+        "celery-once, which SingletonTask does not read: write "
+        f"@app.task(base=SingletonTask, {', '.join(parts)}) instead, per task (a duplicate "
+        f"gets the queued task's result, as with graceful=True){extra}"
+    )
+
+
+#: celery-singleton's and celery-once's options -> what to write instead (given the value).
+PEER_OPTIONS: Mapping[str, Callable[[Any], str]] = {
+    "unique_on": _unique_on,
+    "raise_on_duplicate": _raise_on_duplicate,
+    "lock_expiry": _lock_expiry,
+    "once": _once,
+}
 
 
 if TYPE_CHECKING:
@@ -134,9 +187,27 @@ class SingletonTask(_TaskBase):
     #: ``lock_requeue_max`` times, then fail with LockUnavailable) or "raise" (fail at once).
     on_lock_unavailable: str = "requeue"
 
+    #: Options of celery-singleton and celery-once that this class does not read, each with
+    #: what to write instead. Left in a half-migrated task they would be ignored without a
+    #: word, so they are refused, per task and per call (:meth:`_refuse_peer_options`).
+    _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = PEER_OPTIONS
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check_options(cls)
+
+    @classmethod
+    def _refuse_peer_options(cls, found: Mapping[str, Any], where: str) -> None:
+        """Refuse peer options (``found``: name -> value) with a ConfigError naming the
+        replacement. The one place they are judged: a class that honours some of them
+        overrides this, or narrows ``_peer_options``."""
+        if not found:
+            return
+        name, value = next(iter(found.items()))
+        raise ConfigError(
+            f"{where}: {name}={value!r} is an option of {cls._peer_options[name](value)} "
+            "(see docs/migrating.md)."
+        )
 
     @classmethod
     def bind(cls, app: Any) -> Any:
@@ -168,8 +239,16 @@ class SingletonTask(_TaskBase):
         return resolved
 
     def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The lock key a call with these arguments takes."""
-        return self._dlock().keys(args or (), kwargs or {})
+        """The lock key a call with these arguments takes, once sent with the task's serializer
+        (what the worker keys: JSON, say, gives ``{1: 10}`` back as ``{"1": 10}``)."""
+        return self._wire_key(args, kwargs, None)
+
+    def _wire_key(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, serializer: Any
+    ) -> str:
+        """The key of a call about to be published with ``serializer`` (None: the task's)."""
+        keys = self._dlock().keys
+        return keys(*keys.sent(args or (), kwargs or {}, serializer or self.serializer))
 
     # -- execution -----------------------------------------------------------------------------
 
@@ -270,25 +349,34 @@ class SingletonTask(_TaskBase):
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Release the key before the retry is published (execution-time mode).
+        """Keep the key until Celery really publishes the retry (execution-time mode).
 
-        Celery publishes the retry before raising ``Retry``, and the retry may start on another
-        process before this one unwinds, so the key must be free first: the retried run takes
-        it again. (In enqueue-time mode the key passes to the retry message instead.)
+        Celery publishes the retry before raising ``Retry``, and the retried run may start on
+        another process before this one unwinds, so the key is released right before that
+        publish (in :meth:`apply_async`); the retried run takes it again. When Celery publishes
+        nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
+        body, whose fallback then still runs under the lock) the key stays held. In
+        enqueue-time mode the key passes to the retry message at that same publish.
+        ``throw=False`` keeps the key: the body goes on, and the retry waits for it.
         """
         lease = self.lease
-        if lease is not None and throw and self.lock_on == "execute":
-            lease.release()
-        return super().retry(
-            args=args,
-            kwargs=kwargs,
-            exc=exc,
-            throw=throw,
-            eta=eta,
-            countdown=countdown,
-            max_retries=max_retries,
-            **options,
-        )
+        retrying = lease is not None and throw and self.lock_on == "execute"
+        if retrying:
+            _retrying.lease = lease
+        try:
+            return super().retry(
+                args=args,
+                kwargs=kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
+        finally:
+            if retrying:
+                _retrying.lease = None
 
     # -- duplicates ----------------------------------------------------------------------------
 
@@ -427,9 +515,23 @@ class SingletonTask(_TaskBase):
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """In enqueue-time mode, take the key before publishing, or return the holder's result."""
+        """In enqueue-time mode, take the key before publishing, or return the holder's result.
+
+        In execution-time mode, a retry of the running execution releases its key right before
+        it is published (see :meth:`retry`).
+        """
+        if options and not self._peer_options.keys().isdisjoint(options):
+            self._refuse_peer_options(
+                {n: options[n] for n in self._peer_options if n in options},
+                f"task {self.name!r}: apply_async()",
+            )
         headers = options.get("headers") or {}
         if self.lock_on != "enqueue" or self.app.conf.task_always_eager:
+            retrying: Lease | None = getattr(_retrying, "lease", None)
+            if retrying is not None and retrying.holder == task_id:
+                # Celery's retry() publishing it: now, and only now, the key goes.
+                _retrying.lease = None
+                retrying._release_for("given up for the retry Celery published")
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
@@ -443,16 +545,19 @@ class SingletonTask(_TaskBase):
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        wanted = self._dlock().keys(args or (), kwargs or {})
+        wanted = self._wire_key(args, kwargs, options.get("serializer"))
         early = send_queue_lock(self, wanted, task_id, options)
         key: str | None = wanted  # with early: the reply is read in before_task_publish
+        token = early.token if early is not None else None
         if early is None:
-            key, holder_id = queue_lock(self, wanted, task_id, options)
-            if holder_id is not None:
-                return self.AsyncResult(holder_id)
-        # Marked even without a queued lock (Redis unreachable): our before_task_publish
-        # handler then leaves the message alone instead of trying again.
-        options["headers"] = {**headers, HEADER_QUEUED: 1}
+            queued = queue_lock(self, wanted, task_id, options)
+            if queued.holder_id is not None:
+                return self.AsyncResult(queued.holder_id)
+            key, token = queued.key, queued.token
+        # The message names its queued lock's acquisition, so that a worker discarding it
+        # (revoked, expired) frees that lock and nothing else. Marked even without a queued
+        # lock (Redis unreachable): our before_task_publish handler then leaves it alone.
+        options["headers"] = {**headers, HEADER_QUEUED: token or 1}
         try:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -463,12 +568,16 @@ class SingletonTask(_TaskBase):
         except BaseException:
             if early is not None:  # the reply may not have been read: the publish failed first
                 key = early.finish_quietly()
-            if key is not None:  # not published: free the key again
-                self._dlock().manager.release_by_holder(key, task_id)
+            if key is not None and token is not None:  # not published: free the key again
+                self._dlock().manager.release_token(key, token)
             raise
         finally:
             if early is not None:
                 take_early(task_id)
+
+
+#: Per thread: the lease of the execution whose ``retry()`` is under way (execution-time mode).
+_retrying = threading.local()
 
 
 class MergedDuplicate(BaseException):
@@ -491,6 +600,11 @@ class EarlyLock:
         self.key = key
         self.pending = pending
         self.taken = False  # set once the reply said this message holds the key
+
+    @property
+    def token(self) -> str:
+        """The acquisition's random token: the message carries it."""
+        return self.pending.token
 
     def finish_quietly(self) -> str | None:
         """Read the reply if that was not done; the key if this message took it."""
@@ -551,9 +665,9 @@ def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
     """In ``before_task_publish``: read the early acquisition's reply. The message goes out
     holding the key, goes out without a queued lock (Redis unreachable: logged), or is called
     off with :class:`MergedDuplicate` (another task holds the key)."""
-    _, holder_id = queue_lock(early.task, early.key, headers["id"], {}, early=early)
-    if holder_id is not None:
-        raise MergedDuplicate(holder_id)
+    queued = queue_lock(early.task, early.key, headers["id"], {}, early=early)
+    if queued.holder_id is not None:
+        raise MergedDuplicate(queued.holder_id)
 
 
 def _unsubscribe(task: SingletonTask, task_id: str) -> None:
@@ -574,27 +688,35 @@ def _running_lease(task: SingletonTask, key: str, task_id: str) -> Lease | None:
     return None
 
 
+class Queued(NamedTuple):
+    """What :func:`queue_lock` got for a message about to be published."""
+
+    key: str | None  # the key this message now holds, or None
+    holder_id: str | None  # the task holding the key instead (a duplicate of it), or None
+    token: str | None = None  # the queued lock's acquisition token, when ``key`` is set
+
+
 def queue_lock(
     task: SingletonTask,
     key: str,
     task_id: str,
     options: Mapping[str, Any],
     early: EarlyLock | None = None,
-) -> tuple[str | None, str | None]:
+) -> Queued:
     """Take the queued lock on ``key`` for a message about to be published (enqueue-time mode).
 
-    Returns ``(key, None)`` when this message now holds ``key``; ``(None, holder_id)`` when
-    another task holds it (this message is a duplicate of ``holder_id``); ``(None, None)``
-    when no lock could be taken (Redis unreachable, or a holder that is not a task): publish
-    anyway, the execution-time lock still protects the body. With ``early``, the first
-    attempt is that acquisition, already sent.
+    ``key`` set: this message now holds it, by the acquisition ``token``. ``holder_id`` set:
+    another task holds it (this message is a duplicate of that one). Neither: no lock could be
+    taken (Redis unreachable, or a holder that is not a task); publish anyway, the
+    execution-time lock still protects the body. With ``early``, the first attempt is that
+    acquisition, already sent.
     """
     manager = task._dlock().manager
     ttl = task.lock_queued_ttl + _delay_of(options)
     running = None if early is not None else _running_lease(task, key, task_id)
     if running is not None:  # a retry of the running execution: the key goes with the message
-        manager.hand_over(running, ttl)
-        return key, None
+        token = manager.hand_over(running, ttl)
+        return Queued(key, None, token) if token is not None else Queued(None, None)
     attempt = 0
     splits = 0
     revoked_checked = False
@@ -611,7 +733,7 @@ def queue_lock(
             log.warning(
                 "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
             )
-            return None, None
+            return Queued(None, None)
         except LockContended as exc:
             holder = exc.holder
             if holder is None and exc.retry_after is None and splits < QUEUE_SPLIT_RETRIES:
@@ -621,11 +743,12 @@ def queue_lock(
                 time.sleep(random.uniform(0.0, 0.01 * splits))
                 continue
             if holder is None or holder.holder is None:
-                return None, None
+                return Queued(None, None)
             if not revoked_checked and holder.queued and _revoked(task, holder.holder):
-                # The queued task was revoked before any worker saw it: the key is free.
+                # The queued task was revoked before any worker saw it: its lock (that one
+                # acquisition, not whatever holds the key by then) is free to go.
                 revoked_checked = True
-                manager.release_by_holder(key, holder.holder)
+                manager.release_token(key, holder.token)
                 continue
             if len(_held_recently) > 1000:
                 _held_recently.clear()
@@ -639,11 +762,11 @@ def queue_lock(
                 policy="merge",
                 retry_in=None,
             )
-            return None, holder.holder
+            return Queued(None, holder.holder)
         manager.forget(queued)
         if early is not None:
             early.taken = True
-        return key, None
+        return Queued(key, None, head_token(queued.head))
 
 
 #: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
@@ -796,6 +919,9 @@ def check_options(cls: type[SingletonTask]) -> None:
             f"{where}: on_duplicate='wait' does not apply with lock_on='enqueue' (duplicates "
             "are answered with the queued task's result when published)."
         )
+    cls._refuse_peer_options(
+        {n: getattr(cls, n) for n in cls._peer_options if hasattr(cls, n)}, where
+    )
     run = cls.__dict__.get("run")
     if run is not None:
         # Validates lock_key against the signature now, not at the first call: the signature

@@ -4,9 +4,11 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 (task modules are imported there before the pool forks) and in every publisher:
 
 * ``task_revoked`` (worker parent): a task killed by ``revoke(terminate=True)`` cannot release
-  its lease, and a revoked *queued* task never takes over its queued lock; release both by
-  holder id, which is the task id (an owner-checked delete: a key held by any other task id
-  is left alone).
+  its lease, and a discarded message (revoked, expired) never takes over its queued lock.
+  Releases name one acquisition by its token, never a task id, which a redelivered copy or a
+  retry shares with the execution that may still run. A terminated execution's lease is
+  released once its pool process has really ended (:mod:`celery_dlock.children`): the signal
+  may not end it. A discarded message frees only the queued lock it names in its headers.
 * ``before_task_publish`` (publishers): in enqueue-time mode, ``SingletonTask.apply_async``
   sends the queued lock's acquisition before Celery builds the message, and its reply is read
   here: a duplicate's publish is called off. Messages published without
@@ -24,7 +26,7 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 from __future__ import annotations
 
 import logging
-import signal
+import socket
 import weakref
 from typing import Any
 
@@ -35,7 +37,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from celery_dlock import admin
+from celery_dlock import admin, children
 from celery_dlock.beat import Tick, current_tick, mark_send
 from celery_dlock.renewal import watchdog
 from celery_dlock.task import (
@@ -62,41 +64,42 @@ def register_enqueue_task(name: str, app: Any) -> None:
         _enqueue_owner[name] = weakref.ref(app)
 
 
-#: Signals that end a terminated task's process at once. Others (SIGUSR1 to ask a body to
-#: clean up, say) leave it running, holding its lease; it releases the key itself.
-FATAL = frozenset(
-    int(getattr(signal, name)) for name in ("SIGKILL", "SIGTERM", "SIGQUIT", "SIGINT")
-)
-
-
 @task_revoked.connect
 def release_revoked(
     sender: Any = None,
     request: Any = None,
     terminated: bool = False,
-    signum: Any = None,
     **_: Any,
 ) -> None:
     if not isinstance(sender, SingletonTask) or request is None or not request.id:
         return
-    if terminated and signum is not None and _signal_number(signum) not in FATAL:
-        return
     try:
-        key = sender.lock_key_for(request.args or (), request.kwargs or {})
-        if sender._dlock().manager.release_by_holder(key, request.id):
-            log.info("released %r of revoked task %s[%s]", key, sender.name, request.id)
+        # The arguments as the pool process keyed them (deserialized), not lock_key_for's.
+        key = sender._dlock().keys(request.args or (), request.kwargs or {})
+        manager = sender._dlock().manager
+        what = f"terminated task {sender.name}[{request.id}]"
+        if terminated:
+            _release_when_ended(manager, key, request.id, what)
+        queued = getattr(request, HEADER_QUEUED, None)
+        if isinstance(queued, str) and manager.release_token(key, queued):
+            # Messages of older versions carry 1, not a token: their queued lock expires.
+            log.info("released %r queued by revoked task %s[%s]", key, sender.name, request.id)
     except Exception:  # never break the worker's revoke handling
         log.exception("could not release the lock of revoked task %s", request.id)
 
 
-def _signal_number(signum: Any) -> int | None:
-    try:
-        return int(signum)
-    except (TypeError, ValueError):  # a name, as revoke(signal="SIGUSR1") passes it along
-        found = getattr(signal, str(signum).upper(), None)
-        if found is None:
-            found = getattr(signal, "SIG" + str(signum).upper(), None)
-        return None if found is None else int(found)
+def _release_when_ended(manager: Any, key: str, task_id: str, what: str) -> None:
+    """Release the lease of ``task_id``'s execution on this worker once its process ended."""
+    holder = manager.holder(key)
+    if (
+        holder is None
+        or holder.holder != task_id
+        or holder.queued
+        or holder.host != socket.gethostname()
+    ):
+        return  # not held by an execution of this task on this host: not ours to release
+    if not children.release_when_ended(manager, key, holder, what):
+        log.info("%s: %r is held by pid %d, not a process of this worker", what, key, holder.pid)
 
 
 @before_task_publish.connect
@@ -119,14 +122,14 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
     options = {"eta": _parse_eta(eta)} if eta else {}
     try:
         wanted = task.lock_key_for(body[0] or (), body[1] or {})
-        key, holder_id = queue_lock(task, wanted, headers["id"], options)
+        queued = queue_lock(task, wanted, headers["id"], options)
     except Exception:  # a bad argument fails in the worker with its clear error instead
         log.exception("could not take the queued lock for %s[%s]", sender, headers.get("id"))
         return
-    if holder_id is not None:
-        headers[HEADER_DUPLICATE_OF] = holder_id
-    elif key is not None:
-        headers[HEADER_QUEUED] = 1
+    if queued.holder_id is not None:
+        headers[HEADER_DUPLICATE_OF] = queued.holder_id
+    elif queued.key is not None:
+        headers[HEADER_QUEUED] = queued.token or 1
 
 
 def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:

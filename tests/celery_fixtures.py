@@ -34,19 +34,23 @@ def celery_base(single_session_urls: list[str]) -> str:
     return single_session_urls[0]
 
 
-@pytest.fixture(scope="module", params=["single", "redlock5"])
-def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
-    if request.param == "single":
-        lock_urls = [with_db(celery_base, 12)]
-    else:
-        lock_urls = request.getfixturevalue("redlock_session_urls")
+def make_mode(name: str, celery_base: str, redlock_urls: list[str] | None = None) -> Mode:
+    """Mode ``name``: locks on db 12 of ``celery_base`` ("single"), or on ``redlock_urls``."""
+    lock_urls = [with_db(celery_base, 12)] if redlock_urls is None else redlock_urls
     env = {
         "DLOCK_TEST_BROKER": with_db(celery_base, 10),
         "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
         "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
         "DLOCK_TEST_LOCK_URLS": ",".join(lock_urls),
     }
-    return Mode(request.param, lock_urls, env)
+    return Mode(name, lock_urls, env)
+
+
+@pytest.fixture(scope="module", params=["single", "redlock5"])
+def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
+    if request.param == "single":
+        return make_mode("single", celery_base)
+    return make_mode("redlock5", celery_base, request.getfixturevalue("redlock_session_urls"))
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Any
 
@@ -270,28 +269,3 @@ def test_flag_policy_lets_the_body_decide(
         client(url).delete(f"dlock:{{{start['key']}}}")
     assert result.get(timeout=10) is True  # ran to the end, and saw its lease lost
     assert journal.select("end", name="flag")
-
-
-@pytest.mark.parametrize(
-    ("signum", "released"),
-    [(signal.SIGTERM, True), (signal.SIGKILL, True), (signal.SIGUSR1, False), ("SIGUSR1", False)],
-)
-def test_the_parent_releases_a_terminated_task_only_for_signals_that_end_it(
-    wa: Any, journal: Journal, signum: Any, released: bool
-) -> None:
-    # revoke(terminate=True, signal=...) with a signal the body may survive (SIGUSR1 to ask
-    # it to clean up) must not free the key under a body that still runs.
-    from celery.app.task import Context
-
-    from celery_dlock.worker import release_revoked
-
-    task = wa.long_task
-    request = Context(id="revoked-by-signal", args=["by-signal", 30], kwargs={})
-    key = task.lock_key_for(request.args, request.kwargs)
-    lease = task._dlock().manager.acquire(key, ttl=5, holder=request.id, renew=False)
-    try:
-        release_revoked(sender=task, request=request, terminated=True, signum=signum)
-        holder = task._dlock().manager.holder(key)
-        assert (holder is None) is released, holder
-    finally:
-        lease.release()

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject
 
 from celery_dlock import LockLost, SingletonTask, lock_contended, lock_lost
 
@@ -38,6 +38,13 @@ if os.environ.get("DLOCK_TEST_VISIBILITY"):
     app.conf.broker_transport_options = {
         "visibility_timeout": float(os.environ["DLOCK_TEST_VISIBILITY"])
     }
+    if os.environ.get("DLOCK_TEST_RESTORE_EVERY"):
+        # Look for unacked messages past their visibility timeout this often (kombu's default
+        # is about every 100 s), so a redelivery comes within a test's patience.
+        app.conf.broker_transport_options.update(
+            unacked_restore_interval=float(os.environ["DLOCK_TEST_RESTORE_EVERY"]),
+            unacked_restore_throttle=1,
+        )
 
 if os.environ.get("DLOCK_TEST_BEAT"):
     # "name:seconds-the-body-takes[:period]", one entry sent every period (default a second).
@@ -235,3 +242,106 @@ def bounded(self: Any, name: str, secs: float = 5.0) -> str:
 def flagged(self: Any, name: str, secs: float = 2.0) -> bool:
     _body(self, name, secs)
     return bool(self.lease.lost)
+
+
+# -- the seams: every way a body ends (tests/test_seams.py, tests/test_exit_paths.py) ----------
+#
+# All of them lock "seam:{name}", so a probe (below) contends with whichever runs. A body
+# records "start", works ``secs`` in slices, ends the way ``how`` says, and records "end" with
+# how it ended, whatever ended it: only SIGKILL leaves no "end".
+
+
+def _work(secs: float) -> None:
+    end = time.monotonic() + secs
+    while time.monotonic() < end:  # in slices: the threads pool's interrupts land between them
+        time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+
+def _seam(task: Any, name: str, how: str, secs: float) -> Any:
+    request = task.request
+    lease = task.lease
+    base = {
+        "id": request.id,
+        "name": name,
+        "how": how,
+        "retries": request.retries,
+        "key": lease.key if lease else None,
+        "token": lease.token if lease else None,
+        "redelivered": (request.delivery_info or {}).get("redelivered"),
+    }
+    record("start", **base)
+    ended = "returned"
+    try:
+        return _seam_ending(task, name, how, secs, base)
+    except BaseException as exc:
+        ended = type(exc).__name__
+        raise
+    finally:
+        record("end", **base, ended=ended)
+
+
+def _seam_ending(task: Any, name: str, how: str, secs: float, base: dict[str, Any]) -> Any:
+    request = task.request
+    if how == "exhausted_fallback":
+        try:
+            raise task.retry(countdown=0.2, max_retries=0)
+        except MaxRetriesExceededError:  # Celery's idiom: no retries left, do something else
+            lease = task.lease
+            record("fallback", **base, lost=lease.lost, released=lease.released)
+            _work(secs)
+            return "fallback"
+    if how == "retry" and request.retries > 0:
+        return name  # the retried run
+    _work(secs)
+    if how == "retry":
+        raise task.retry(countdown=0.2)
+    if how == "exhausted_raise":
+        raise task.retry(countdown=0.2, max_retries=0)
+    if how == "raise":
+        raise ValueError(f"{name} failed on purpose")
+    if how == "ignore":
+        raise Ignore()
+    if how == "reject_requeue" and not _ran_before(request.id):
+        raise Reject("rejected on purpose, requeued", requeue=True)
+    if how == "reject":
+        raise Reject("rejected on purpose", requeue=False)
+    return name
+
+
+def _ran_before(task_id: str) -> bool:
+    starts = [
+        e
+        for e in (json.loads(raw) for raw in journal().lrange("journal", 0, -1))
+        if e["event"] == "start" and e.get("id") == task_id
+    ]
+    return len(starts) > 1
+
+
+@app.task(base=SingletonTask, bind=True, lock_key="seam:{name}", lock_ttl=2, max_retries=3)
+def seam(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
+
+
+@app.task(
+    base=SingletonTask, bind=True, lock_key="seam:{name}", lock_ttl=2, max_retries=3, acks_late=True
+)
+def seam_late(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
+
+
+@app.task(base=SingletonTask, bind=True, lock_key="seam:{name}", lock_ttl=2, lock_on="enqueue")
+def seam_enqueued(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
+
+
+@app.task(base=SingletonTask, bind=True, lock_key="seam:{name}", lock_ttl=2)
+def seam_probe(self: Any, name: str) -> str:
+    """A second execution of a seam's key: dropped while the key is held, else runs."""
+    return str(_seam(self, name, "return", 0.0))
+
+
+@app.task(base=SingletonTask, bind=True, lock_ttl=2, lock_on="enqueue")
+def seam_payload(self: Any, payload: Any, name: str = "payload") -> str:
+    """Keyed on every argument in enqueue-time mode: the publisher's key must be the worker's."""
+    _seam(self, name, "return", 0.0)
+    return name

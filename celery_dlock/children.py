@@ -1,0 +1,92 @@
+"""Whether a pool process has ended, as the worker process that started it sees it.
+
+``revoke(terminate=True)`` only *sends* a signal to the pool process running the task, and
+Celery announces the revoke (``task_revoked``, in the worker's parent process) right after
+sending it. Whether the process ends is another matter: prefork pool processes ignore SIGINT
+(and SIGTERM when the worker remaps it with ``REMAP_SIGTERM``), and a body may catch the
+``SoftTimeLimitExceeded`` that SIGUSR1 raises and go on. So the parent frees a terminated
+task's lease only once the process holding it is gone, and asks the kernel rather than
+guessing from the signal: ``waitid(..., WNOWAIT)`` reports a child that has exited without
+reaping it (billiard reaps its own children), and refuses a pid that is not a child of this
+process.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery_dlock.holder import Holder
+    from celery_dlock.redlock import LockManager
+
+log = logging.getLogger("celery_dlock.release")
+
+#: How often a watcher asks whether the process has exited (a system call, no I/O).
+POLL = 0.02
+#: How often it looks whether the lease is still there (the body may release it itself).
+RECHECK = 1.0
+
+
+class State(enum.Enum):
+    RUNNING = "running"
+    EXITED = "exited"  # exited; reaped or not
+    NOT_MINE = "not a child"  # not a child of this process, or reaped already
+
+
+def state(pid: int) -> State:
+    """What this process knows of its child ``pid``, without reaping it."""
+    waitid = getattr(os, "waitid", None)
+    if waitid is None:  # macOS before Python 3.13: only "gone" can be seen, once reaped
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return State.NOT_MINE
+        except PermissionError:
+            return State.NOT_MINE  # someone else's process: not ours
+        return State.RUNNING
+    try:
+        found = waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return State.NOT_MINE
+    return State.RUNNING if found is None else State.EXITED
+
+
+def release_when_ended(manager: LockManager, key: str, holder: Holder, what: str) -> bool:
+    """Free ``key`` from the acquisition ``holder`` once its process (a child of this one)
+    has ended; in a thread, so the worker's event loop goes on. False (nothing started) when
+    ``holder.pid`` is not a child of this process, which then has nothing to say about it."""
+    if state(holder.pid) is State.NOT_MINE:
+        return False
+    thread = threading.Thread(
+        target=_watch,
+        args=(manager, key, holder, what),
+        name=f"dlock-ended-{holder.pid}",
+        daemon=True,
+    )
+    thread.start()
+    return True
+
+
+def _watch(manager: LockManager, key: str, holder: Holder, what: str) -> None:
+    recheck = time.monotonic() + RECHECK
+    while state(holder.pid) is State.RUNNING:
+        if time.monotonic() >= recheck:
+            recheck = time.monotonic() + RECHECK
+            try:
+                current = manager.holder(key)
+            except Exception:  # Redis unreachable: cannot tell, keep watching
+                continue
+            if current is None or current.token != holder.token:
+                log.info("%s: its process %d released %r itself", what, holder.pid, key)
+                return
+        time.sleep(POLL)
+    try:
+        if manager.release_token(key, holder.token):
+            log.info("released %r of %s: its process %d has ended", key, what, holder.pid)
+    except Exception:  # never raise in a worker thread; the lease expires after its ttl
+        log.exception("could not release %r of %s", key, what)
