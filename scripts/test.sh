@@ -19,10 +19,15 @@ if ! command -v faketime >/dev/null 2>&1; then
     fi
 fi
 echo "== pytest"; python -m pytest "$@"
-if [ "$#" -gt 0 ]; then
-    echo "== pytest on Celery 5.3: skipped (arguments given)"
-    exit 0
-fi
+for arg in "$@"; do
+    case "$arg" in
+        -q | -qq | -v | -vv | -x | -ra) ;;  # output flags: still the whole suite
+        *)
+            echo "== pytest on Celery 5.3: skipped (a selection of tests was given)"
+            exit 0
+            ;;
+    esac
+done
 # The oldest Celery pyproject.toml allows, for what depends on Celery's version: beat's
 # schedule arithmetic (tick keys), which changed in 5.7. A second virtualenv, made once.
 echo "== pytest on Celery 5.3 (beat tick keys)"
