@@ -5,6 +5,10 @@ five for the Redlock rows) and measures, in one run on those servers:
 
 * ``ping``        a PING round trip with redis-py,
 * ``raw``         ``SET key token NX PX ttl`` + a compare-and-delete Lua ``Script`` (one server),
+* ``raw-5``       the same two commands on five servers at once: each written to all five
+                  connections, then the five replies read — the least any Redlock over five
+                  masters costs from one Python thread (two rounds of five concurrent round
+                  trips), the floor for ``ours-5`` and ``lock-urls-5``,
 * ``redis-py``    redis-py's ``Lock``: ``acquire(blocking=False)`` + ``release()``,
 * ``pottery-1``   pottery's ``Redlock`` on one master, ``pottery-5`` on five,
 * ``redis-lock``  python-redis-lock's ``Lock``: ``acquire(blocking=False)`` + ``release()``,
@@ -88,6 +92,8 @@ RATIOS: tuple[tuple[str, str, float | None], ...] = (
     ("lock-urls-5", "lock-urls-1", 1.6),
     ("ours-1", "raw", 1.10),
     ("ours-5", "ours-1", 1.6),
+    ("raw-5", "raw", None),
+    ("lock-urls-5", "raw-5", None),
     ("redis-lock", "raw", None),
     ("pottery-5", "pottery-1", None),
     ("ping", "raw", None),
@@ -179,6 +185,22 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
         if compare_and_delete(keys=["bench:raw"], args=[token]) != 1:
             raise RuntimeError("raw compare-and-delete did not delete")
 
+    fanout = [client(u).connection_pool.get_connection() for u in redlock_urls]
+    cad_sha = raw_client.script_load(COMPARE_AND_DELETE)
+    for u in redlock_urls:
+        client(u).script_load(COMPARE_AND_DELETE)
+
+    def raw5() -> None:
+        token = secrets.token_urlsafe(20)
+        for conn in fanout:
+            conn.send_command("SET", "bench:raw5", token, "NX", "PX", TTL_MS)
+        if not all(conn.read_response() for conn in fanout):
+            raise RuntimeError("raw-5 SET NX failed: key left over")
+        for conn in fanout:
+            conn.send_command("EVALSHA", cad_sha, 1, "bench:raw5", token)
+        if [conn.read_response() for conn in fanout] != [1] * len(fanout):
+            raise RuntimeError("raw-5 compare-and-delete did not delete")
+
     redispy_lock = client(single_url).lock("bench:redispy", timeout=TTL_S)
 
     def redispy() -> None:
@@ -225,6 +247,7 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
     return [
         Variant("ping", "redis-py PING round trip", ping),
         Variant("raw", "SET NX PX + compare-and-delete Script", raw),
+        Variant("raw-5", "the same on 5 servers at once (write all, read all)", raw5),
         Variant("redis-py", "redis-py Lock acquire(blocking=False)+release", redispy),
         Variant(
             "pottery-1",
