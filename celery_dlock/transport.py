@@ -17,10 +17,12 @@ their keys to the master that owns it (a :class:`Shard`, reached the same way as
 from __future__ import annotations
 
 import logging
+import os
 import select
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -99,7 +101,9 @@ class Node:
 
         With several nodes, a hung one would otherwise cost every call (and the renewal
         watchdog) a timeout or a new connection attempt. Skipping it only ever counts it as
-        failed, which is never less safe; one call tries it again after the cool-down.
+        failed, which is never less safe; one call tries it again after the cool-down, and a
+        call that could not reach a majority without it tries it at once (see
+        :func:`run_script`).
         """
         self._down_until = time.monotonic() + max(0.5, 2 * self.timeout)
 
@@ -144,6 +148,18 @@ class Node:
     def route(self, key: str) -> Node:
         """The node that holds ``key``: this one (a :class:`ClusterNode` picks its shard)."""
         return self
+
+
+class CoolingDown(RedisConnectionError):
+    """A node skipped during its cool-down: nothing was sent to it."""
+
+    dlock_unsent = True
+
+
+def unsent(reply: Reply) -> bool:
+    """True for a failure that happened before anything was sent (cool-down, no connection):
+    that node cannot run the command late."""
+    return bool(getattr(reply, "dlock_unsent", False))
 
 
 def node_for(url: str, timeout: float, prefix: str = "dlock") -> Node:
@@ -395,6 +411,7 @@ def _connect_all(
         try:
             conns[i].connect()
         except (RedisError, OSError) as exc:
+            exc.dlock_unsent = True  # type: ignore[union-attr]
             replies[i] = exc
         return
     pool = _connector.get()
@@ -410,6 +427,7 @@ def _connect_all(
             nodes[i].drop_connection()
             failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
         if failure is not None:
+            failure.dlock_unsent = True  # type: ignore[attr-defined]
             replies[i] = failure
 
 
@@ -460,9 +478,14 @@ def run_script(
     replies: list[Reply] = [_PENDING] * len(nodes)
     several = len(nodes) > 1
     if several:
-        for i, node in enumerate(nodes):
-            if node.down:
-                replies[i] = RedisConnectionError(f"{node.shown} is cooling down after a failure")
+        cooling = [i for i, node in enumerate(nodes) if node.down]
+        # Skip cooling nodes only while the others can still make a majority: nodes that
+        # failed one after the other would otherwise refuse every call until the last
+        # cool-down ends, even with all of them back. Then every node is tried: with a
+        # majority really down, a call costs one timeout, as it would without cool-downs.
+        if cooling and len(nodes) - len(cooling) >= len(nodes) // 2 + 1:
+            for i in cooling:
+                replies[i] = CoolingDown(f"{nodes[i].shown} is cooling down after a failure")
     _connect_all(nodes, conns, replies, timeout)
     todo = [i for i, reply in enumerate(replies) if reply is _PENDING]
     if not todo:
@@ -479,11 +502,20 @@ def run_script(
         for i in todo:
             if isinstance(replies[i], RedisConnectionError | RedisTimeoutError | OSError):
                 nodes[i].mark_down()
+            elif nodes[i]._down_until:
+                nodes[i]._down_until = 0.0  # it answered: its cool-down is over
     return replies
 
 
-def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
-    """Send script ``name`` to every node without waiting for the replies.
+def send_script(
+    nodes: Sequence[Node],
+    name: str,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    resend: Resend | None = None,
+) -> list[Node]:
+    """Send script ``name`` to every node without waiting for the replies; the nodes it could
+    not be sent to (cooling down, unreachable) are returned.
 
     For releases at the end of a task, where waiting for the reply would only delay the next
     task. Where the server allows it, the script goes out after ``CLIENT REPLY SKIP`` and as
@@ -492,8 +524,15 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
     (see :func:`_send_unanswered`). Otherwise each connection remembers what it still owes a
     reply for; the reply is read (and a forgotten script sent again as source) before that
     connection's next command. Redis runs a connection's commands in order, so nothing sent
-    later on this thread can overtake it. Either way a failure is only logged (at debug): the
-    key then lives out its ttl.
+    later on this thread can overtake it.
+
+    A connection the server has closed (idle ``timeout``, ``CLIENT KILL``, a restart, a
+    Sentinel failover) is found by a zero-timeout ``poll()`` before the write and replaced. A
+    close that races the write is learnt afterwards: with ``resend`` given, the command stays
+    unconfirmed on its socket until a later reply on that same socket shows the server read
+    it; if the socket dies first, ``resend`` goes out again ahead of that connection's next
+    command, and if the thread does not use the connection again soon, the janitor sends it
+    (see :func:`overdue`). No round trip is added while connections are healthy.
     """
     packed: dict[bool | None, Any] = {}  # by "sent as SHA" (None: no reply): packed once
     if nodes and nodes[0].cluster:
@@ -501,22 +540,162 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             nodes = [nodes[0].route(keys[0])]
         except RedisError as exc:
             log.debug("could not send %s to %s: %s", name, nodes[0].shown, exc)
-            return
+            return list(nodes)
+    missed: list[Node] = []
     for node in nodes:
         if len(nodes) > 1 and node.down:
+            missed.append(node)
             continue
         conn = node.connection()
         try:
-            if not is_connected(conn):
-                conn.connect()
-            _drain(node, conn)
-            # No staleness check: a connection the server closed means the server restarted
-            # and lost the key anyway; the next command finds the dead connection and replaces it.
-            if not _send_unanswered(node, conn, name, keys, args, packed):
-                _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
+            _prepare(node, conn)
+            if not _send_unanswered(node, conn, name, keys, args, packed, resend):
+                owed = _Owed(name, tuple(keys), tuple(args))
+                if resend is not None:
+                    owed.must = _track(node, resend, None)
+                _send_owed(node, conn, owed, packed)
         except (RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
+            missed.append(node)
+    return missed
+
+
+class Resend:
+    """What to send again if a reply-less command may have been lost with its connection: a
+    script that is safe to run twice, and when it stops mattering (monotonic). Its keys and
+    arguments are made only if it is needed (``make``), off the healthy path."""
+
+    __slots__ = ("_made", "_make", "name", "until")
+
+    def __init__(
+        self,
+        name: str,
+        make: Callable[[], tuple[tuple[str, ...], tuple[Any, ...]]],
+        until: float,
+    ) -> None:
+        self.name = name
+        self.until = until
+        self._make = make
+        self._made: tuple[tuple[str, ...], tuple[Any, ...]] | None = None
+
+    def parts(self) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+        """The script's keys and arguments."""
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+
+class _Sent:
+    """One reply-less command on one connection, not yet known to have reached the server."""
+
+    __slots__ = ("due", "first_due", "node", "resend", "settled", "sock")
+
+    def __init__(self, node: Node, resend: Resend, sock: Any) -> None:
+        self.node = node
+        self.resend = resend
+        self.sock = sock  # the socket it went out on; None: lost, send again
+        self.settled = False  # confirmed, or handed to the janitor
+        self.due = self.first_due = time.monotonic() + CONFIRM_GRACE
+
+
+#: Seconds a reply-less command may stay unconfirmed (its thread not using that connection
+#: again) before the janitor sends it once more on its own connection.
+CONFIRM_GRACE = 1.0
+#: Reply-less commands of this process not yet confirmed, oldest first (see :func:`overdue`).
+_unsettled: deque[_Sent] = deque()
+
+
+#: Wakes the janitor (set by :mod:`celery_dlock.janitor`, which imports this module).
+sweeper: Callable[[], None] | None = None
+#: True while the janitor sleeps with nothing to look at (or has not started): the next
+#: tracked command must wake it. Otherwise it looks at :data:`_unsettled` by itself.
+sweeper_idle = True
+
+
+def _track(node: Node, resend: Resend, sock: Any) -> _Sent:
+    sent = _Sent(node, resend, sock)
+    _unsettled.append(sent)  # deque.append is atomic: no lock on the release path
+    if sweeper_idle and sweeper is not None:
+        sweeper()
+    return sent
+
+
+def has_unsettled() -> bool:
+    return bool(_unsettled)
+
+
+def _after_fork() -> None:
+    """The parent's unconfirmed commands are the parent's; the child's janitor starts idle."""
+    global sweeper_idle
+    _unsettled.clear()
+    sweeper_idle = True
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def overdue(now: float) -> tuple[list[_Sent], float | None]:
+    """For the janitor: unconfirmed commands older than :data:`CONFIRM_GRACE` (each handed
+    over at most once), and when the next one falls due (None: nothing pending)."""
+    out: list[_Sent] = []
+    again: list[_Sent] = []
+    while _unsettled and _unsettled[0].first_due <= now:  # in the order they were queued
+        sent = _unsettled.popleft()
+        if sent.settled or sent.resend.until <= now:
+            continue
+        if sent.due > now:  # sent again meanwhile: its grace starts over
+            sent.first_due = sent.due
+            again.append(sent)
+            continue
+        sent.settled = True  # the janitor owns it now; the thread will not send it again
+        out.append(sent)
+    _unsettled.extend(again)
+    return out, (_unsettled[0].first_due if _unsettled else None)
+
+
+def _settle(conn: Connection) -> None:
+    """A reply was read on ``conn``: every reply-less command sent before it arrived."""
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent:
+        for entry in sent:
+            entry.settled = True
+        sent.clear()
+
+
+def _prepare(node: Node, conn: Connection) -> None:
+    """Make ``conn`` ready for a command: connected, owed replies read, not closed by the
+    server (a zero-timeout poll, no round trip), and what may have been lost with an earlier
+    socket sent again ahead of the command."""
+    if not is_connected(conn):
+        conn.connect()
+    _drain(node, conn)
+    if _stale(conn):
+        conn.disconnect()
+        conn.connect()
+    _resend_lost(node, conn)
+
+
+def _resend_lost(node: Node, conn: Connection) -> None:
+    """Send again, ahead of the next command, the reply-less commands whose socket died before
+    a reply on it confirmed them; their replies are read before the command's."""
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if not sent or sent[0].sock is conn._sock:
+        return
+    lost = [entry for entry in sent if entry.sock is not conn._sock]
+    sent[:] = [entry for entry in sent if entry.sock is conn._sock]
+    now = time.monotonic()
+    for entry in lost:
+        if entry.settled or entry.resend.until <= now:
+            continue
+        log.info(
+            "%s: a reply-less %s may be lost with its connection; sending it again",
+            node.shown,
+            entry.resend.name,
+        )
+        keys, args = entry.resend.parts()
+        entry.due = now + CONFIRM_GRACE
+        _send_owed(node, conn, _Owed(entry.resend.name, keys, args, must=entry))
 
 
 #: ``CLIENT REPLY SKIP``, packed once: sent before a command whose reply nobody will read
@@ -537,6 +716,7 @@ def _send_unanswered(
     keys: Sequence[str],
     args: Sequence[Any],
     packed: dict[bool | None, Any],
+    resend: Resend | None = None,
 ) -> bool:
     """Send ``name`` so that the server writes no reply; False where that is not possible.
 
@@ -559,8 +739,13 @@ def _send_unanswered(
         conn.send_packed_command([command + _PROBE_COMMAND], check_health=False)
         conn._dlock_skip = (conn._sock, False)  # until the probe's reply says otherwise
         _owed(conn).append(_Owed(_PROBE, (), ()))
-        return True
-    conn.send_packed_command([command], check_health=False)
+    else:
+        conn.send_packed_command([command], check_health=False)
+    if resend is not None:  # unconfirmed until a later reply on this socket
+        sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+        if sent is None:
+            sent = conn._dlock_sent = []
+        sent.append(_track(node, resend, conn._sock))
     return True
 
 
@@ -631,12 +816,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
     conn = node.connection()
     deferred = Deferred(node, conn)
     try:
-        if not is_connected(conn):
-            conn.connect()
-        _drain(node, conn)
-        if _stale(conn):
-            conn.disconnect()
-            conn.connect()
+        _prepare(node, conn)
         _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args), deferred))
     except (RedisError, OSError) as exc:
         conn.disconnect()
@@ -647,7 +827,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
 class _Owed:
     """A command sent on a connection whose reply has not been read yet."""
 
-    __slots__ = ("args", "deferred", "keys", "name")
+    __slots__ = ("args", "deferred", "keys", "must", "name")
 
     def __init__(
         self,
@@ -655,11 +835,13 @@ class _Owed:
         keys: tuple[str, ...],
         args: tuple[Any, ...],
         deferred: Deferred | None = None,
+        must: _Sent | None = None,
     ) -> None:
         self.name = name
         self.keys = keys
         self.args = args
         self.deferred = deferred  # where the reply goes; None: checked, then dropped
+        self.must = must  # a command that must land: sent again if its reply never comes
 
 
 def _send_owed(
@@ -704,6 +886,15 @@ def _known(conn: Connection) -> set[str]:
     return known[1]
 
 
+def _lost(conn: Connection, entry: _Sent) -> None:
+    """``entry`` went down with ``conn``'s socket: :func:`_resend_lost` sends it again."""
+    entry.sock = None
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent is None:
+        sent = conn._dlock_sent = []
+    sent.append(entry)
+
+
 def _owed(conn: Connection) -> list[_Owed]:
     owed: list[_Owed] | None = getattr(conn, "_dlock_owed", None)
     if owed is None:
@@ -728,26 +919,11 @@ def _drain(node: Node, conn: Connection) -> None:
             return
         while owed:
             entry = owed[0]
-            if entry.name == _PROBE:
-                _read_probe(conn)
-                owed.pop(0)
-                continue
-            try:  # the reply is almost always there already; the socket timeout bounds it
-                reply = conn.read_response()
-            except NoScriptError:
-                source = node.scripts[entry.name].script
-                conn.send_command("EVAL", source, len(entry.keys), *entry.keys, *entry.args)
-                reply = _read(conn) if entry.deferred is not None else conn.read_response()
-            except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
-                if node.owner is None:
-                    raise
-                node.owner.reload_later()
-                reply = node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
-            except ResponseError as exc:
-                if entry.deferred is None:
-                    raise
-                reply = exc
+            reply = _read_owed(node, conn, entry)
             owed.pop(0)
+            _settle(conn)  # a reply came: what was sent before it on this socket arrived
+            if entry.must is not None:
+                entry.must.settled = True
             if entry.deferred is not None:
                 entry.deferred.settle(reply)
     except (RedisError, OSError) as exc:
@@ -763,7 +939,33 @@ def _drain(node: Node, conn: Connection) -> None:
             for entry in owed:
                 if entry.deferred is not None and not entry.deferred.done:
                     entry.deferred.settle(failure or RedisConnectionError("connection lost"))
+                if entry.must is not None and not entry.must.settled:
+                    _lost(conn, entry.must)  # sent again before this connection's next command
             owed.clear()
+
+
+def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
+    """Read the reply ``entry`` is owed; raises when the connection can no longer be used."""
+    if entry.name == _PROBE:
+        _read_probe(conn)
+        return None
+    try:  # the reply is almost always there already; the socket timeout bounds it
+        return conn.read_response()
+    except NoScriptError:
+        source = node.scripts[entry.name].script
+        conn.send_command("EVAL", source, len(entry.keys), *entry.keys, *entry.args)
+        return _read(conn) if entry.deferred is not None else conn.read_response()
+    except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
+        if node.owner is None:
+            raise
+        node.owner.reload_later()
+        return node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
+    except ResponseError as exc:
+        if entry.deferred is None and entry.must is None:
+            raise
+        if entry.must is not None:  # refused, not lost: sending it again cannot help
+            log.warning("%s refused %s: %s", node.shown, entry.name, exc)
+        return exc
 
 
 def _exchange(
@@ -797,6 +999,7 @@ def _exchange(
                     # idle timeout). Reconnect rather than fail this call.
                     conn.disconnect()
                     conn.connect()
+                _resend_lost(nodes[i], conn)
                 conn.send_packed_command(packed, check_health=False)
                 unread[conn._sock.fileno()] = i
             except (RedisError, OSError) as exc:
@@ -804,7 +1007,7 @@ def _exchange(
         if len(unread) == 1 and timeout >= nodes[next(iter(unread.values()))].timeout:
             # One node alone may simply block up to its socket timeout.
             i = unread.popitem()[1]
-            replies[i] = _read(conns[i])
+            replies[i] = _reply(nodes[i], conns[i])
             return
         deadline = time.monotonic() + timeout
         poller = select.poll()
@@ -822,7 +1025,7 @@ def _exchange(
             for fd, _ in ready:
                 i = unread.pop(fd)
                 poller.unregister(fd)
-                replies[i] = _read(conns[i])
+                replies[i] = _reply(nodes[i], conns[i])
     except BaseException:
         for i in unread.values():
             conns[i].disconnect()
@@ -835,6 +1038,23 @@ def _read(conn: Connection) -> Reply:
         return conn.read_response()
     except (RedisError, OSError) as exc:
         return exc
+
+
+def _reply(node: Node, conn: Connection) -> Reply:
+    """The reply to the command just sent on ``conn`` (after any sent again ahead of it), or
+    the exception that stands in for it. A reply read confirms the reply-less commands sent
+    before it on this socket."""
+    if getattr(conn, "_dlock_owed", None):
+        _drain(node, conn)
+    try:
+        reply = conn.read_response()
+    except ResponseError as exc:  # an error reply is still a reply
+        reply = exc
+    except (RedisError, OSError) as exc:
+        return exc
+    if getattr(conn, "_dlock_sent", None):
+        _settle(conn)
+    return reply
 
 
 def _stale_set(conns: Sequence[Connection], todo: Sequence[int]) -> set[int]:

@@ -586,11 +586,13 @@ def test_release_after_validity_ran_out_reports_the_loss(single_urls: list[str])
     def record(sender: Any = None, **kw: Any) -> None:
         seen.append(kw)
 
+    # Connected after the acquire: a lease taken while someone listens for losses is watched
+    # (test_a_lease_that_is_not_renewed_reports_its_loss); this one only the clock knows of.
+    lease = manager.acquire("ran-out", ttl=0.2, renew=False)
     lock_lost.connect(record, weak=False)
     try:
-        lease = manager.acquire("ran-out", ttl=0.2, renew=False)
         wait_for(lambda: lease.lost, 2, "the validity to run out")
-        assert seen == []  # nobody renews this lease: only the clock knows
+        assert seen == []  # nobody renews or watches this lease: only the clock knows
         lease.release(wait=False)
         assert [s["key"] for s in seen] == ["ran-out"]
         assert "validity" in seen[0]["reason"] or "expired" in seen[0]["reason"], seen[0]
