@@ -19,6 +19,7 @@ to, so a release wakes exactly one waiter, and a crashed holder's expiry bounds 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -695,21 +696,17 @@ class LockManager:
     # -- inspect ---------------------------------------------------------------------------
 
     def holder(self, key: str) -> Holder | None:
-        """The current holder as a majority sees it, or None when no one holds ``key``."""
-        keys = self.redis_keys(check_key(key))
-        replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
-        holders = [parse_value(r[0]) for r in replies if not isinstance(r, BaseException) and r[0]]
-        by_token = Counter(h.token for h in holders if h is not None)
-        if not by_token:
-            return None
-        token, count = by_token.most_common(1)[0]
-        if count < self.quorum:
-            return None
-        return max((h for h in holders if h and h.token == token), key=lambda h: h.fence)
+        """The current holder as a majority sees it, or None when no one holds ``key``.
 
-    def inspect(self, key: str) -> LockInfo:
-        """The key's holder, time left and fencing counter, as a majority of nodes sees them."""
+        Raises :class:`LockUnavailable` when fewer than a majority answer: "not held" would
+        then be a guess.
+        """
         key = check_key(key)
+        return self._holder_of(self._read_key(key))
+
+    def _read_key(self, key: str) -> list[Any]:
+        """The inspect script's replies from the nodes that answered; LockUnavailable when
+        fewer than a majority did."""
         keys = self.redis_keys(key)
         replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
         answered = [r for r in replies if not isinstance(r, BaseException)]
@@ -724,9 +721,33 @@ class LockManager:
                     if isinstance(r, BaseException)
                 ],
             )
+        return answered
+
+    def _holder_of(self, answered: list[Any]) -> Holder | None:
+        holders = [(parse_value(r[0]), r[2]) for r in answered if r[0]]
+        by_token = Counter(h.token for h, _ in holders if h is not None)
+        if not by_token:
+            return None
+        token, count = by_token.most_common(1)[0]
+        if count < self.quorum:
+            return None
+        mine = [(h, counter) for h, counter in holders if h and h.token == token]
+        holder = max((h for h, _ in mine), key=lambda h: h.fence)
+        # Each node's value carries its own proposal; the lease's token (the highest of the
+        # granting nodes') was written back to their counters. When the node whose value
+        # carried it does not answer, a counter still shows it.
+        counters = [int(c) for _, c in mine if c is not None]
+        if counters and max(counters) > holder.fence:
+            holder = dataclasses.replace(holder, fence=max(counters))
+        return holder
+
+    def inspect(self, key: str) -> LockInfo:
+        """The key's holder, time left and fencing counter, as a majority of nodes sees them."""
+        key = check_key(key)
+        answered = self._read_key(key)
         fences = [int(r[2]) for r in answered if r[2] is not None]
         fence = max(fences) if fences else None
-        holder = self.holder(key)
+        holder = self._holder_of(answered)
         if holder is None:
             return LockInfo(key, None, None, fence)
         left = [int(r[1]) for r in answered if r[0] and parse_value(r[0]) == holder]

@@ -188,3 +188,44 @@ def test_two_nodes_failing_one_after_the_other_do_not_refuse_locks_once_back(
     with lock(app, "third", ttl=5) as lease:  # both back: tried although cooling down
         assert lease.token > 0
     assert not any(node.down for node in manager.nodes), "an answer ends the cool-down"
+
+
+# -- the operator's reads with nodes that do not answer (found by the fault matrix) ------------
+
+
+def test_holder_without_a_majority_is_unavailable_not_free(server: RedisServer) -> None:
+    """``holder()`` used to answer "not held" when the node did not answer."""
+    manager = manager_for(app_for([server.url], dlock_node_timeout=0.2))
+    lease = manager.acquire("unseen", ttl=30, renew=False)
+    server.pause()
+    try:
+        with pytest.raises(LockUnavailable):
+            manager.holder("unseen")
+    finally:
+        server.resume()
+    assert manager.holder("unseen") is not None
+    lease.release()
+
+
+def test_the_holders_token_is_shown_when_the_node_that_proposed_it_is_down(
+    servers: list[RedisServer],
+) -> None:
+    """Each node's value carries its own counter; the token (the highest) lives on in the
+    written-back counters when the node whose value carried it is down."""
+    urls = [s.url for s in servers[:3]]
+    for i, url in enumerate(urls):
+        client(url).set("dlock:{shown}:fence", 100 * (3 - i))  # node 0 proposes the most
+    manager = manager_for(app_for(urls, dlock_node_timeout=0.2))
+    lease = manager.acquire("shown", ttl=30, renew=False)
+    assert lease.token == 301
+    servers[0].pause()
+    try:
+        holder = manager.holder("shown")
+        info = manager.inspect("shown")
+    finally:
+        servers[0].resume()
+    assert holder is not None
+    assert holder.fence == lease.token
+    assert info.holder is not None
+    assert info.holder.fence == lease.token
+    lease.release()
