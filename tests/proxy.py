@@ -12,7 +12,7 @@ that a stopped or paused server alone cannot show:
 * :meth:`FaultProxy.reset_mid_reply` — the next reply is cut after its first bytes and both
   sides are reset.
 * :meth:`FaultProxy.swallow` — what a client sends next is dropped and its connection closed:
-  the server closing a connection just as a command arrives.
+  the server closing a connection just as a command arrives (once, like the cut).
 """
 
 from __future__ import annotations
@@ -176,8 +176,10 @@ class FaultProxy:
             return
         mode, delay = self._mode_now()
         if side == "down":
-            if mode == "swallow":
+            if mode == "swallow":  # one connection only, like "cut"
                 self._drop(selector, pair, reset=False)
+                with self._lock:
+                    self._mode = "pass"
                 self.swallowed.set()
                 return
             pair.to_up += data
