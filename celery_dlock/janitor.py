@@ -41,6 +41,9 @@ log = logging.getLogger("celery_dlock.release")
 
 #: First and longest pause between tries on a node that did not answer.
 BACKOFF = (0.05, 1.0)
+#: How often the janitor looks for reply-less commands left unconfirmed: a tracked command is
+#: sent again between CONFIRM_GRACE and CONFIRM_GRACE + SWEEP_TICK after it went out.
+SWEEP_TICK = transport.CONFIRM_GRACE / 2
 #: Seconds past the key's own expiry that an item is still retried while its node is silent:
 #: a node stalled that long may still run a stale acquire when it resumes.
 LATE_LIMIT = 300.0
@@ -73,6 +76,7 @@ class Janitor:
         self._heap: list[_Item] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._next_sweep = 0.0
         transport.sweeper = self.wake
 
     def _fork_check(self) -> None:
@@ -81,6 +85,7 @@ class Janitor:
             self._cond = threading.Condition()
             self._heap = []
             self._thread = None
+            self._next_sweep = 0.0
 
     def void(
         self, nodes: Sequence[Node], lock_key: str, void_key: str, head: str, until: float
@@ -114,10 +119,9 @@ class Janitor:
             self._cond.notify()
 
     def wake(self) -> None:
-        """Called by the transport when it tracks a reply-less command while we sleep idle."""
+        """Called by the transport when a connection first carries a tracked command."""
         self._fork_check()
         with self._cond:
-            transport.sweeper_idle = False
             self._start()
             self._cond.notify()
 
@@ -140,38 +144,30 @@ class Janitor:
                 log.exception("janitor round failed")
 
     def _next_round(self) -> list[_Item]:
-        """Wait (holding the condition) until items are due; take them."""
+        """Wait (holding the condition) until items are due; take them. While connections
+        carry tracked commands, look at them every SWEEP_TICK (no wake-up per release)."""
         while True:
             now = time.monotonic()
-            swept, next_sweep = transport.overdue(now)
-            for sent in swept:
-                resend = sent.resend
-                log.debug(
-                    "%s: a reply-less %s was not confirmed within %g s; sending it again",
-                    sent.node.shown,
-                    resend.name,
-                    transport.CONFIRM_GRACE,
-                )
-                keys, args = resend.parts()
-                item = _Item(
-                    now, next(self._seq), sent.node, resend.name, keys, args,
-                    resend.until, max(0.0, resend.until - now),
-                )  # fmt: skip
-                heapq.heappush(self._heap, item)
+            if transport.tracking() and now >= self._next_sweep:
+                self._next_sweep = now + SWEEP_TICK
+                for node, (name, keys, args, until) in transport.overdue(now):
+                    log.debug(
+                        "%s: a reply-less %s was not confirmed within %g s; sending it again",
+                        node.shown,
+                        name,
+                        transport.CONFIRM_GRACE,
+                    )
+                    item = _Item(
+                        now, next(self._seq), node.owner or node, name, keys, args, until,
+                        max(0.0, until - now),
+                    )  # fmt: skip  # a Cluster shard's command goes through its cluster
+                    heapq.heappush(self._heap, item)
             first = self._heap[0].due if self._heap else math.inf
             if first <= now:
                 break
-            wake = min(first, math.inf if next_sweep is None else next_sweep)
-            if wake == math.inf:
-                # Nothing pending: sleep until woken. A reply-less send that is tracked
-                # meanwhile sees the flag and wakes us (transport._track).
-                transport.sweeper_idle = True
-                if transport.has_unsettled():
-                    transport.sweeper_idle = False
-                    continue
-                self._cond.wait()
-                continue
-            self._cond.wait(wake - now)
+            sweep = self._next_sweep if transport.tracking() else math.inf
+            wake = min(first, sweep)
+            self._cond.wait(None if wake == math.inf else wake - now)
         out: list[_Item] = []
         while self._heap and self._heap[0].due <= now:
             out.append(heapq.heappop(self._heap))

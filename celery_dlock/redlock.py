@@ -594,14 +594,18 @@ class LockManager:
                 args = (lease.head, _ms(lease.ttl), "1", head_token(lease.head))
                 # Sent again if it may have been lost with its connection: waking a waiter
                 # only if the key was still there (the first one may have landed).
-                resend = Resend(
-                    "release", lambda: ((keys[0], keys[2]), (*args[:2], "2", args[3])), until
+                resend: Resend = (
+                    "release",
+                    (keys[0], keys[2]),
+                    (args[0], args[1], "2", args[3]),
+                    until,
                 )
                 owed += send_script(self.nodes, "release", (keys[0], keys[2]), args, resend)
                 replies: list[Reply] = []
             else:
                 replies = self._release_on(self.nodes, keys, lease.head, lease.ttl, wake=True)
-                owed += [n for n, r in zip(self.nodes, replies, strict=True) if _failed(r)]
+                if any(isinstance(r, BaseException) for r in replies):
+                    owed += [n for n, r in zip(self.nodes, replies, strict=True) if _failed(r)]
             if owed:
                 # Each node the release did not reach, or that may still run a stale acquire
                 # or renewal of this lease, gets its delete from the janitor until it lands.

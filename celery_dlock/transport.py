@@ -22,7 +22,7 @@ import select
 import ssl
 import threading
 import time
-from collections import deque
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -451,9 +451,14 @@ def _stale(conn: Connection) -> bool:
     if isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):
         return True
     try:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
+        # One poll object per socket, kept on the connection: making one per call cost
+        # more than the poll itself, on every acquire and every release.
+        cached: tuple[Any, Any] | None = getattr(conn, "_dlock_poll", None)
+        if cached is None or cached[0] is not sock:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            cached = conn._dlock_poll = (sock, poller)
+        return bool(cached[1].poll(0))
     except (OSError, ValueError):
         return True
 
@@ -533,6 +538,9 @@ def send_script(
     it; if the socket dies first, ``resend`` goes out again ahead of that connection's next
     command, and if the thread does not use the connection again soon, the janitor sends it
     (see :func:`overdue`). No round trip is added while connections are healthy.
+
+    ``resend`` is ``(script, keys, args, until)``: safe to run twice, moot after ``until``
+    (monotonic).
     """
     packed: dict[bool | None, Any] = {}  # by "sent as SHA" (None: no reply): packed once
     if nodes and nodes[0].cluster:
@@ -549,11 +557,10 @@ def send_script(
         conn = node.connection()
         try:
             _prepare(node, conn)
-            if not _send_unanswered(node, conn, name, keys, args, packed, resend):
-                owed = _Owed(name, tuple(keys), tuple(args))
-                if resend is not None:
-                    owed.must = _track(node, resend, None)
-                _send_owed(node, conn, owed, packed)
+            if not _send_unanswered(node, conn, name, keys, args, packed):
+                _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
+            if resend is not None:  # unconfirmed until a later reply on this socket
+                _track(node, conn, resend)
         except (RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
@@ -561,105 +568,82 @@ def send_script(
     return missed
 
 
-class Resend:
-    """What to send again if a reply-less command may have been lost with its connection: a
-    script that is safe to run twice, and when it stops mattering (monotonic). Its keys and
-    arguments are made only if it is needed (``make``), off the healthy path."""
-
-    __slots__ = ("_made", "_make", "name", "until")
-
-    def __init__(
-        self,
-        name: str,
-        make: Callable[[], tuple[tuple[str, ...], tuple[Any, ...]]],
-        until: float,
-    ) -> None:
-        self.name = name
-        self.until = until
-        self._make = make
-        self._made: tuple[tuple[str, ...], tuple[Any, ...]] | None = None
-
-    def parts(self) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-        """The script's keys and arguments."""
-        if self._made is None:
-            self._made = self._make()
-        return self._made
-
-
-class _Sent:
-    """One reply-less command on one connection, not yet known to have reached the server."""
-
-    __slots__ = ("due", "first_due", "node", "resend", "settled", "sock")
-
-    def __init__(self, node: Node, resend: Resend, sock: Any) -> None:
-        self.node = node
-        self.resend = resend
-        self.sock = sock  # the socket it went out on; None: lost, send again
-        self.settled = False  # confirmed, or handed to the janitor
-        self.due = self.first_due = time.monotonic() + CONFIRM_GRACE
-
+#: What to send again if a reply-less command may have been lost with its connection: a
+#: script that is safe to run twice, its keys and arguments, and when it stops mattering.
+Resend = tuple[str, tuple[str, ...], tuple[Any, ...], float]
+#: One unconfirmed command on a connection: what to send again, the socket it went out on,
+#: and when it went out (monotonic).
+_Sent = tuple[Resend, Any, float]
 
 #: Seconds a reply-less command may stay unconfirmed (its thread not using that connection
 #: again) before the janitor sends it once more on its own connection.
 CONFIRM_GRACE = 1.0
-#: Reply-less commands of this process not yet confirmed, oldest first (see :func:`overdue`).
-_unsettled: deque[_Sent] = deque()
-
-
 #: Wakes the janitor (set by :mod:`celery_dlock.janitor`, which imports this module).
 sweeper: Callable[[], None] | None = None
-#: True while the janitor sleeps with nothing to look at (or has not started): the next
-#: tracked command must wake it. Otherwise it looks at :data:`_unsettled` by itself.
-sweeper_idle = True
+#: Connections that have carried a tracked command, for the janitor to look at; each is
+#: registered once, so the release path takes no lock.
+_tracked: weakref.WeakSet[Connection] = weakref.WeakSet()
+_tracked_lock = threading.Lock()
+#: True once any connection of this process has carried a tracked command.
+_any_tracked = False
 
 
-def _track(node: Node, resend: Resend, sock: Any) -> _Sent:
-    sent = _Sent(node, resend, sock)
-    _unsettled.append(sent)  # deque.append is atomic: no lock on the release path
-    if sweeper_idle and sweeper is not None:
-        sweeper()
-    return sent
+def _track(node: Node, conn: Connection, resend: Resend) -> None:
+    """Keep ``resend`` on ``conn`` until a reply read there confirms it (see :func:`_settle`)."""
+    global _any_tracked
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent is None:
+        sent = conn._dlock_sent = []
+        conn._dlock_node = node
+        with _tracked_lock:
+            _tracked.add(conn)
+        _any_tracked = True
+        if sweeper is not None:
+            sweeper()
+    sent.append((resend, conn._sock, time.monotonic()))
 
 
-def has_unsettled() -> bool:
-    return bool(_unsettled)
+def overdue(now: float) -> list[tuple[Node, Resend]]:
+    """For the janitor: commands unconfirmed for :data:`CONFIRM_GRACE`, taken off their
+    connections (the janitor sends them again; the owning thread no longer does)."""
+    with _tracked_lock:
+        conns = list(_tracked)
+    out: list[tuple[Node, Resend]] = []
+    for conn in conns:
+        sent: list[_Sent] = conn._dlock_sent
+        while sent:
+            try:
+                entry = sent[0]
+                if entry[2] + CONFIRM_GRACE > now:
+                    break
+                sent.remove(entry)  # the owner may clear the list meanwhile: then it is gone
+            except (IndexError, ValueError):
+                break
+            if entry[0][3] > now:
+                out.append((conn._dlock_node, entry[0]))
+    return out
+
+
+def tracking() -> bool:
+    """Whether any connection of this process has carried a tracked command."""
+    return _any_tracked
 
 
 def _after_fork() -> None:
-    """The parent's unconfirmed commands are the parent's; the child's janitor starts idle."""
-    global sweeper_idle
-    _unsettled.clear()
-    sweeper_idle = True
+    """The parent's connections and their unconfirmed commands are the parent's."""
+    global _tracked, _tracked_lock, _any_tracked
+    _tracked = weakref.WeakSet()
+    _tracked_lock = threading.Lock()
+    _any_tracked = False
 
 
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def overdue(now: float) -> tuple[list[_Sent], float | None]:
-    """For the janitor: unconfirmed commands older than :data:`CONFIRM_GRACE` (each handed
-    over at most once), and when the next one falls due (None: nothing pending)."""
-    out: list[_Sent] = []
-    again: list[_Sent] = []
-    while _unsettled and _unsettled[0].first_due <= now:  # in the order they were queued
-        sent = _unsettled.popleft()
-        if sent.settled or sent.resend.until <= now:
-            continue
-        if sent.due > now:  # sent again meanwhile: its grace starts over
-            sent.first_due = sent.due
-            again.append(sent)
-            continue
-        sent.settled = True  # the janitor owns it now; the thread will not send it again
-        out.append(sent)
-    _unsettled.extend(again)
-    return out, (_unsettled[0].first_due if _unsettled else None)
-
-
 def _settle(conn: Connection) -> None:
-    """A reply was read on ``conn``: every reply-less command sent before it arrived."""
+    """A reply was read on ``conn``: every tracked command sent before it arrived."""
     sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
     if sent:
-        for entry in sent:
-            entry.settled = True
         sent.clear()
 
 
@@ -669,33 +653,33 @@ def _prepare(node: Node, conn: Connection) -> None:
     socket sent again ahead of the command."""
     if not is_connected(conn):
         conn.connect()
-    _drain(node, conn)
+    if getattr(conn, "_dlock_owed", None):
+        _drain(node, conn)
     if _stale(conn):
         conn.disconnect()
         conn.connect()
-    _resend_lost(node, conn)
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent and sent[0][1] is not conn._sock:
+        _resend_lost(node, conn)
 
 
 def _resend_lost(node: Node, conn: Connection) -> None:
-    """Send again, ahead of the next command, the reply-less commands whose socket died before
+    """Send again, ahead of the next command, the tracked commands whose socket died before
     a reply on it confirmed them; their replies are read before the command's."""
     sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
-    if not sent or sent[0].sock is conn._sock:
+    if not sent or sent[0][1] is conn._sock:
         return
-    lost = [entry for entry in sent if entry.sock is not conn._sock]
-    sent[:] = [entry for entry in sent if entry.sock is conn._sock]
+    lost = [entry for entry in sent if entry[1] is not conn._sock]
+    sent[:] = [entry for entry in sent if entry[1] is conn._sock]
     now = time.monotonic()
-    for entry in lost:
-        if entry.settled or entry.resend.until <= now:
+    for resend, _, _ in lost:
+        name, keys, args, until = resend
+        if until <= now:
             continue
-        log.info(
-            "%s: a reply-less %s may be lost with its connection; sending it again",
-            node.shown,
-            entry.resend.name,
-        )
-        keys, args = entry.resend.parts()
-        entry.due = now + CONFIRM_GRACE
-        _send_owed(node, conn, _Owed(entry.resend.name, keys, args, must=entry))
+        log.info("%s: a reply-less %s may be lost with its connection; sending it again",
+                 node.shown, name)  # fmt: skip
+        _send_owed(node, conn, _Owed(name, keys, args, must=True))
+        sent.append((resend, conn._sock, now))
 
 
 #: ``CLIENT REPLY SKIP``, packed once: sent before a command whose reply nobody will read
@@ -716,7 +700,6 @@ def _send_unanswered(
     keys: Sequence[str],
     args: Sequence[Any],
     packed: dict[bool | None, Any],
-    resend: Resend | None = None,
 ) -> bool:
     """Send ``name`` so that the server writes no reply; False where that is not possible.
 
@@ -741,11 +724,6 @@ def _send_unanswered(
         _owed(conn).append(_Owed(_PROBE, (), ()))
     else:
         conn.send_packed_command([command], check_health=False)
-    if resend is not None:  # unconfirmed until a later reply on this socket
-        sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
-        if sent is None:
-            sent = conn._dlock_sent = []
-        sent.append(_track(node, resend, conn._sock))
     return True
 
 
@@ -835,13 +813,13 @@ class _Owed:
         keys: tuple[str, ...],
         args: tuple[Any, ...],
         deferred: Deferred | None = None,
-        must: _Sent | None = None,
+        must: bool = False,
     ) -> None:
         self.name = name
         self.keys = keys
         self.args = args
         self.deferred = deferred  # where the reply goes; None: checked, then dropped
-        self.must = must  # a command that must land: sent again if its reply never comes
+        self.must = must  # sent again (tracked on the connection): an error reply is logged
 
 
 def _send_owed(
@@ -886,15 +864,6 @@ def _known(conn: Connection) -> set[str]:
     return known[1]
 
 
-def _lost(conn: Connection, entry: _Sent) -> None:
-    """``entry`` went down with ``conn``'s socket: :func:`_resend_lost` sends it again."""
-    entry.sock = None
-    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
-    if sent is None:
-        sent = conn._dlock_sent = []
-    sent.append(entry)
-
-
 def _owed(conn: Connection) -> list[_Owed]:
     owed: list[_Owed] | None = getattr(conn, "_dlock_owed", None)
     if owed is None:
@@ -922,8 +891,6 @@ def _drain(node: Node, conn: Connection) -> None:
             reply = _read_owed(node, conn, entry)
             owed.pop(0)
             _settle(conn)  # a reply came: what was sent before it on this socket arrived
-            if entry.must is not None:
-                entry.must.settled = True
             if entry.deferred is not None:
                 entry.deferred.settle(reply)
     except (RedisError, OSError) as exc:
@@ -939,9 +906,7 @@ def _drain(node: Node, conn: Connection) -> None:
             for entry in owed:
                 if entry.deferred is not None and not entry.deferred.done:
                     entry.deferred.settle(failure or RedisConnectionError("connection lost"))
-                if entry.must is not None and not entry.must.settled:
-                    _lost(conn, entry.must)  # sent again before this connection's next command
-            owed.clear()
+            owed.clear()  # tracked commands among them are sent again (_resend_lost)
 
 
 def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
@@ -961,9 +926,9 @@ def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
         node.owner.reload_later()
         return node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
     except ResponseError as exc:
-        if entry.deferred is None and entry.must is None:
+        if entry.deferred is None and not entry.must:
             raise
-        if entry.must is not None:  # refused, not lost: sending it again cannot help
+        if entry.must:  # refused, not lost: sending it again cannot help
             log.warning("%s refused %s: %s", node.shown, entry.name, exc)
         return exc
 
@@ -987,6 +952,9 @@ def _exchange(
     reply can never be read as the answer to a later command.
     """
     unread: dict[int, int] = {}  # socket fd -> node index
+    # Connections that never carried a tracked command (reply-less releases) owe nothing to
+    # send again or confirm: skip that bookkeeping on them (Redlock's waited calls, renewals).
+    tracked = _any_tracked
     try:
         for i in todo:
             _drain(nodes[i], conns[i])
@@ -999,7 +967,10 @@ def _exchange(
                     # idle timeout). Reconnect rather than fail this call.
                     conn.disconnect()
                     conn.connect()
-                _resend_lost(nodes[i], conn)
+                if tracked:
+                    sent = getattr(conn, "_dlock_sent", None)
+                    if sent and sent[0][1] is not conn._sock:
+                        _resend_lost(nodes[i], conn)
                 conn.send_packed_command(packed, check_health=False)
                 unread[conn._sock.fileno()] = i
             except (RedisError, OSError) as exc:
@@ -1007,7 +978,7 @@ def _exchange(
         if len(unread) == 1 and timeout >= nodes[next(iter(unread.values()))].timeout:
             # One node alone may simply block up to its socket timeout.
             i = unread.popitem()[1]
-            replies[i] = _reply(nodes[i], conns[i])
+            replies[i] = _reply(nodes[i], conns[i]) if tracked else _read(conns[i])
             return
         deadline = time.monotonic() + timeout
         poller = select.poll()
@@ -1025,7 +996,7 @@ def _exchange(
             for fd, _ in ready:
                 i = unread.pop(fd)
                 poller.unregister(fd)
-                replies[i] = _reply(nodes[i], conns[i])
+                replies[i] = _reply(nodes[i], conns[i]) if tracked else _read(conns[i])
     except BaseException:
         for i in unread.values():
             conns[i].disconnect()
@@ -1052,8 +1023,9 @@ def _reply(node: Node, conn: Connection) -> Reply:
         reply = exc
     except (RedisError, OSError) as exc:
         return exc
-    if getattr(conn, "_dlock_sent", None):
-        _settle(conn)
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent:
+        sent.clear()  # confirmed (see _settle)
     return reply
 
 
