@@ -16,6 +16,7 @@ their keys to the master that owns it (a :class:`Shard`, reached the same way as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -356,6 +357,11 @@ class _ThreadConnections(dict[str, Connection]):
     def close(self) -> None:
         for conn in self.values():
             conn.disconnect()
+            sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+            if sent:  # nobody will confirm these now: the janitor sends them again
+                with contextlib.suppress(Exception):  # at interpreter exit, modules go first
+                    _orphans.extend((conn._dlock_node, entry[0]) for entry in sent)
+                sent.clear()
         self.clear()
 
     def __del__(self) -> None:
@@ -586,6 +592,8 @@ _tracked: weakref.WeakSet[Connection] = weakref.WeakSet()
 _tracked_lock = threading.Lock()
 #: True once any connection of this process has carried a tracked command.
 _any_tracked = False
+#: Unconfirmed commands of connections closed with their thread, for the janitor.
+_orphans: list[tuple[Node, Resend]] = []
 
 
 def _track(node: Node, conn: Connection, resend: Resend) -> None:
@@ -609,6 +617,10 @@ def overdue(now: float) -> list[tuple[Node, Resend]]:
     with _tracked_lock:
         conns = list(_tracked)
     out: list[tuple[Node, Resend]] = []
+    while _orphans:
+        orphan = _orphans.pop()
+        if orphan[1][3] > now:
+            out.append(orphan)
     for conn in conns:
         sent: list[_Sent] = conn._dlock_sent
         while sent:
@@ -635,6 +647,7 @@ def _after_fork() -> None:
     _tracked = weakref.WeakSet()
     _tracked_lock = threading.Lock()
     _any_tracked = False
+    _orphans.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -676,8 +689,11 @@ def _resend_lost(node: Node, conn: Connection) -> None:
         name, keys, args, until = resend
         if until <= now:
             continue
-        log.info("%s: a reply-less %s may be lost with its connection; sending it again",
-                 node.shown, name)  # fmt: skip
+        log.info(
+            "%s: a reply-less %s may be lost with its connection; sending it again",
+            node.shown,
+            name,
+        )
         _send_owed(node, conn, _Owed(name, keys, args, must=True))
         sent.append((resend, conn._sock, now))
 

@@ -99,8 +99,30 @@ def test_a_release_the_server_drops_as_it_closes_is_sent_again_by_the_janitor(
         lease.release(wait=False)
         assert proxy.swallowed.wait(5), "the proxy never saw the release"
         proxy.heal()
-        # Within two grace periods (transport.CONFIRM_GRACE, 1 s) and a round trip.
+        # Within transport.CONFIRM_GRACE (1 s) + janitor.SWEEP_TICK (0.5 s), a round trip,
+        # and slack for a loaded machine.
         wait_gone(server.url, "raced-idle", 3.5)
+
+
+def test_a_dropped_release_of_a_thread_that_ends_is_sent_again_by_the_janitor(
+    server: RedisServer,
+) -> None:
+    """The same race in a thread that ends right after the release: its connections close
+    with it, and the release they could no longer confirm goes to the janitor."""
+    with FaultProxy(server.port) as proxy:
+        manager = manager_for([proxy.url])
+
+        def task() -> None:
+            manager.acquire("raced-thread", ttl=30, renew=False).release(wait=False)
+            lease = manager.acquire("raced-thread", ttl=30, renew=False)
+            proxy.swallow()
+            lease.release(wait=False)
+            assert proxy.swallowed.wait(5), "the proxy never saw the release"
+
+        thread = threading.Thread(target=task)
+        thread.start()
+        thread.join(10)
+        wait_gone(server.url, "raced-thread", 3.5)
 
 
 # -- 2. Redlock: a node that hung through a successful acquisition ---------------------------
