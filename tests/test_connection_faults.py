@@ -28,10 +28,12 @@ import pytest
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
+from celery_dlock.janitor import SWEEP_TICK
 from celery_dlock.lease import Lease
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
+from celery_dlock.transport import CONFIRM_GRACE
 from tests.clients import client
 from tests.proxy import FaultProxy
 
@@ -326,8 +328,8 @@ def _release(env: Env, fault: str, *, wait: bool) -> str:
     begun = time.monotonic()
     lease.release(wait=wait)
     # Waited: returns within one node timeout. Reply-less: returns at once; what it could not
-    # confirm the janitor sends again after CONFIRM_GRACE (1 s) and a node timeout.
-    bound = NODE_TIMEOUT if wait else 1.0 + NODE_TIMEOUT
+    # confirm the janitor sends again within CONFIRM_GRACE + SWEEP_TICK, plus a node timeout.
+    bound = NODE_TIMEOUT if wait else CONFIRM_GRACE + SWEEP_TICK + NODE_TIMEOUT
     _within(begun, NODE_TIMEOUT, "release")
     # Done: the key is free on a majority within the bound (the janitor may have helped).
     # Logged: it is not, and a warning names the key.

@@ -575,7 +575,9 @@ def test_release_without_client_reply_permission_awaits_replies(server: RedisSer
         assert lease.token > 0
 
 
-def test_release_after_validity_ran_out_reports_the_loss(single_urls: list[str]) -> None:
+def test_release_after_validity_ran_out_reports_the_loss(
+    single_urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A holder that ends after its validity ran out, before any watchdog noticed, still has
     the loss reported (signal and log), whichever thread gets there first."""
     from celery_dlock import lock_lost
@@ -586,9 +588,11 @@ def test_release_after_validity_ran_out_reports_the_loss(single_urls: list[str])
     def record(sender: Any = None, **kw: Any) -> None:
         seen.append(kw)
 
-    # Connected after the acquire: a lease taken while someone listens for losses is watched
-    # (test_a_lease_that_is_not_renewed_reports_its_loss); this one only the clock knows of.
+    # Taken while nobody listens for losses (other tests' receivers aside): such a lease is
+    # not watched (test_a_lease_that_is_not_renewed_reports_its_loss); only the clock knows.
+    monkeypatch.setattr(lock_lost, "receivers", [])
     lease = manager.acquire("ran-out", ttl=0.2, renew=False)
+    monkeypatch.undo()
     lock_lost.connect(record, weak=False)
     try:
         wait_for(lambda: lease.lost, 2, "the validity to run out")

@@ -62,8 +62,8 @@ TTL = 4.0
 
 PROFILES = {
     # (examples, steps per example) for 3 nodes and for 5
-    "ci": {3: (12, 30), 5: (8, 30)},
-    "long": {3: (100, 60), 5: (60, 60)},
+    "ci": {3: (10, 30), 5: (8, 30)},
+    "long": {3: (50, 60), 5: (30, 60)},
 }
 PROFILE = os.environ.get("DLOCK_STATEFUL_PROFILE", "ci")
 #: The CI profile's seed, fixed so that every run of the suite draws the same sequences.
