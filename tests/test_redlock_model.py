@@ -21,6 +21,7 @@ saw), and the ``@reproduce_failure`` blob.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import random
@@ -70,6 +71,8 @@ PROFILE = os.environ.get("DLOCK_STATEFUL_PROFILE", "ci")
 CI_SEED = 20261123
 
 _keys = itertools.count()
+#: What a run did, printed at its end: sequences, steps, and how acquisitions ended.
+_counts: collections.Counter[str] = collections.Counter()
 
 
 class RedlockModel(RuleBasedStateMachine):
@@ -87,6 +90,7 @@ class RedlockModel(RuleBasedStateMachine):
         self.paused: set[int] = set()
         self.stopped: set[int] = set()
         self.holders: dict[int, set[int]] = {}  # token -> nodes seen holding its key
+        _counts["sequences"] += 1
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -167,8 +171,10 @@ class RedlockModel(RuleBasedStateMachine):
         try:
             lease = self.manager.acquire(self.key, ttl=TTL, renew=False)
         except (LockContended, LockUnavailable) as exc:
+            _counts[type(exc).__name__] += 1
             note(f"acquire refused: {type(exc).__name__}")
             return
+        _counts["acquired"] += 1
         note(f"acquired token {lease.token}")
         self.granted(lease, before)
 
@@ -258,6 +264,7 @@ class RedlockModel(RuleBasedStateMachine):
 
     @invariant()
     def one_holder_at_a_time(self) -> None:
+        _counts["checks"] += 1  # invariants run after every step (and after set-up)
         valid = [x for x in self.believed_valid() if x.token not in self.excused]
         assert len(valid) <= 1, [x.token for x in valid]
 
@@ -330,6 +337,8 @@ def test_redlock_under_faults(model_servers: list[RedisServer]) -> None:
         servers = model_servers
         manager = manager_for(app)
 
+    _counts.clear()
+    begun = time.monotonic()
     run_state_machine_as_test(
         Model,
         settings=settings(
@@ -340,4 +349,8 @@ def test_redlock_under_faults(model_servers: list[RedisServer]) -> None:
             print_blob=True,
             suppress_health_check=list(HealthCheck),
         ),
+    )
+    print(
+        f"stateful model, {len(model_servers)} nodes: {dict(_counts)} in "
+        f"{time.monotonic() - begun:.0f} s"
     )
