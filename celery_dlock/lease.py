@@ -72,6 +72,9 @@ class Lease:
         self.io_lock = threading.Lock()
         self.next_renewal = started + renew_interval if renew_interval else deadline
         self.renewals = 0
+        #: Indices of nodes sent a command for this lease that never answered it: they may
+        #: still run it late, so the release owes them a void (LockManager.release).
+        self._silent: frozenset[int] | None = None
 
     # -- state -----------------------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class Lease:
     def _expiry_reason(self) -> str:
         if self.max_hold is not None and self._deadline >= self.acquired_at + self.max_hold:
             return f"held for its max_hold of {self.max_hold:g} s; no longer renewed"
+        if self.renew_interval is None and self.max_hold is None:
+            return f"its validity ran out (ttl {self.ttl:g} s, not renewed)"
         return (
             "its validity ran out on the monotonic clock before a renewal succeeded "
             "(process paused, or Redis unreachable)"

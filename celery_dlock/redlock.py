@@ -19,6 +19,7 @@ to, so a release wakes exactly one waiter, and a crashed holder's expiry bounds 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -45,16 +46,18 @@ from celery_dlock.holder import Holder, head_token, parse_value, value_head
 from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.renewal import watchdog
-from celery_dlock.signals import lock_acquired, lock_released
+from celery_dlock.signals import lock_acquired, lock_lost, lock_released
 from celery_dlock.transport import (
     Deferred,
     Node,
     Reply,
+    Resend,
     blocking_pop,
     node_for,
     run_script,
     send_deferred,
     send_script,
+    unsent,
 )
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
@@ -134,6 +137,18 @@ class LockInfo:
 def void_key(lock_key: str, head: str) -> str:
     """The marker that calls off one acquisition attempt (see scripts.VOID)."""
     return f"{lock_key}:void:{head_token(head)}"
+
+
+def _silent(replies: Sequence[Reply]) -> frozenset[int]:
+    """Nodes that were sent a command and did not answer: they may still run it."""
+    return frozenset(
+        i for i, r in enumerate(replies) if isinstance(r, BaseException) and not unsent(r)
+    )
+
+
+def _failed(reply: Reply) -> bool:
+    """A release reply that is no answer (an error reply is an answer: retrying cannot help)."""
+    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
 
 
 def _ms(seconds: float) -> int:
@@ -317,7 +332,14 @@ class LockManager:
     ) -> Lease:
         if on_lost is not None:
             lease.on_lost(on_lost)
-        if request.interval is not None or request.max_hold is not None:
+        if (
+            request.interval is not None
+            or request.max_hold is not None
+            or on_lost is not None
+            or lock_lost.receivers
+        ):
+            # Renewed leases, and any lease whose loss someone listens for: the watchdog
+            # reports a lease that is not renewed when its validity runs out.
             watchdog.add(lease)
         waited = lease.acquired_at - begun
         log_acquire.debug("acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited)
@@ -425,7 +447,7 @@ class LockManager:
             else:
                 deadline = started + ttl - drift(ttl, self.settings.drift_factor)
                 if deadline > time.monotonic():
-                    return Lease(
+                    lease = Lease(
                         self,
                         request.key,
                         token,
@@ -438,6 +460,11 @@ class LockManager:
                         max_hold=request.max_hold,
                         sender=request.sender,
                     )
+                    if errors:
+                        # A node that got the acquire and did not answer may still run it
+                        # (stalled, not dead): the release owes it a void (see release()).
+                        lease._silent = _silent(replies)
+                    return lease
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
         answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
@@ -454,7 +481,7 @@ class LockManager:
         """Release a failed attempt: now where we took the key, in the background where the
         node did not answer (it may take the key yet, and waiting on it again would double
         the time a caller waits to hear that Redis is unavailable)."""
-        silent = [self.nodes[i] for i, r in enumerate(replies) if isinstance(r, BaseException)]
+        silent = [self.nodes[i] for i in _silent(replies)]
         if fences:
             taken = [self.nodes[i] for i in fences]
             undone = self._release_on(taken, keys, head, ttl, wake=False)
@@ -587,12 +614,29 @@ class LockManager:
             if not lease.set_released():
                 return False
             watchdog.discard(lease)
+            until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
+            owed = [self.nodes[i] for i in lease._silent] if lease._silent else []
             if not wait:
                 args = (lease.head, _ms(lease.ttl), "1", head_token(lease.head))
-                send_script(self.nodes, "release", (keys[0], keys[2]), args)
+                # Sent again if it may have been lost with its connection: waking a waiter
+                # only if the key was still there (the first one may have landed).
+                resend: Resend = (
+                    "release",
+                    (keys[0], keys[2]),
+                    (args[0], args[1], "2", args[3]),
+                    until,
+                )
+                owed += send_script(self.nodes, "release", (keys[0], keys[2]), args, resend)
                 replies: list[Reply] = []
             else:
                 replies = self._release_on(self.nodes, keys, lease.head, lease.ttl, wake=True)
+                if any(isinstance(r, BaseException) for r in replies):
+                    owed += [n for n, r in zip(self.nodes, replies, strict=True) if _failed(r)]
+            if owed:
+                # Each node the release did not reach, or that may still run a stale acquire
+                # or renewal of this lease, gets its delete from the janitor until it lands.
+                late_keys, late_args = self._late_release(lease, keys)
+                janitor.release(list(dict.fromkeys(owed)), late_keys, late_args, until, lease.ttl)
         confirmed = sum(1 for r in replies if r == 1) >= self.quorum if wait else None
         lock_released.send(
             sender=lease.sender,
@@ -611,7 +655,8 @@ class LockManager:
         ]
         if failed:
             log_release.warning(
-                "release of key=%s token=%s failed on %s; it expires there within %g s",
+                "release of key=%s token=%s failed on %s; retried in the background, it "
+                "expires there within %g s",
                 lease.key,
                 lease.token,
                 ", ".join(failed),
@@ -620,6 +665,14 @@ class LockManager:
         else:
             log_release.debug("released key=%s token=%s", lease.key, lease.token)
         return confirmed
+
+    def _late_release(
+        self, lease: Lease, keys: tuple[str, str, str]
+    ) -> tuple[tuple[str, str, str, str], tuple[Any, ...]]:
+        """Keys and arguments of scripts.RELEASE_LATE for ``lease``."""
+        token = head_token(lease.head)
+        late_keys = (keys[0], void_key(keys[0], lease.head), revoked_key(keys[0], token), keys[2])
+        return late_keys, (lease.head, _ms(lease.ttl), _ms(lease.ttl), token)
 
     def hand_over(self, lease: Lease, ttl: float) -> str | None:
         """Turn ``lease`` into the queued lock of its own task's next message (a retry).
@@ -649,6 +702,7 @@ class LockManager:
         """Drop a lease this process will neither renew nor release (a queued lock, a beat
         tick key): its key lives out its ttl, or passes to whoever takes it over."""
         lease.set_released()
+        watchdog.discard(lease)  # watched if someone listens for losses
 
     def release_by_holder(self, key: str, holder: str) -> bool:
         """Delete ``key`` if its holder id is ``holder``, whichever acquisition of it holds it.
@@ -697,38 +751,60 @@ class LockManager:
     # -- inspect ---------------------------------------------------------------------------
 
     def holder(self, key: str) -> Holder | None:
-        """The current holder as a majority sees it, or None when no one holds ``key``."""
-        keys = self.redis_keys(check_key(key))
+        """The current holder as a majority sees it, or None when no one holds ``key``.
+
+        Raises :class:`LockUnavailable` when fewer than a majority answer: "not held" would
+        then be a guess.
+        """
+        key = check_key(key)
+        return self._holder_of(self._read_key(key))
+
+    def _read_key(self, key: str) -> list[Any]:
+        """The inspect script's replies from the nodes that answered; LockUnavailable when
+        fewer than a majority did."""
+        keys = self.redis_keys(key)
         replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
-        holders = [parse_value(r[0]) for r in replies if not isinstance(r, BaseException) and r[0]]
-        by_token = Counter(h.token for h in holders if h is not None)
+        answered = [r for r in replies if not isinstance(r, BaseException)]
+        if len(answered) < self.quorum:
+            errors = [
+                (node.shown, describe(r, node))
+                for node, r in zip(self.nodes, replies, strict=True)
+                if isinstance(r, BaseException)
+            ]
+            first = "; ".join(f"{node}: {err}" for node, err in errors[:3])
+            raise LockUnavailable(
+                f"cannot inspect {key!r}: only {len(answered)} of {len(self.nodes)} node(s) "
+                f"answered, {self.quorum} needed ({first})",
+                key=key,
+                errors=errors,
+            )
+        return answered
+
+    def _holder_of(self, answered: list[Any]) -> Holder | None:
+        holders = [(parse_value(r[0]), r[2]) for r in answered if r[0]]
+        by_token = Counter(h.token for h, _ in holders if h is not None)
         if not by_token:
             return None
         token, count = by_token.most_common(1)[0]
         if count < self.quorum:
             return None
-        return max((h for h in holders if h and h.token == token), key=lambda h: h.fence)
+        mine = [(h, counter) for h, counter in holders if h and h.token == token]
+        holder = max((h for h, _ in mine), key=lambda h: h.fence)
+        # Each node's value carries its own proposal; the lease's token (the highest of the
+        # granting nodes') was written back to their counters. When the node whose value
+        # carried it does not answer, a counter still shows it.
+        counters = [int(c) for _, c in mine if c is not None]
+        if counters and max(counters) > holder.fence:
+            holder = dataclasses.replace(holder, fence=max(counters))
+        return holder
 
     def inspect(self, key: str) -> LockInfo:
         """The key's holder, time left and fencing counter, as a majority of nodes sees them."""
         key = check_key(key)
-        keys = self.redis_keys(key)
-        replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
-        answered = [r for r in replies if not isinstance(r, BaseException)]
-        if len(answered) < self.quorum:
-            raise LockUnavailable(
-                f"cannot inspect {key!r}: only {len(answered)} of {len(self.nodes)} node(s) "
-                "answered",
-                key=key,
-                errors=[
-                    (node.shown, describe(r, node))
-                    for node, r in zip(self.nodes, replies, strict=True)
-                    if isinstance(r, BaseException)
-                ],
-            )
+        answered = self._read_key(key)
         fences = [int(r[2]) for r in answered if r[2] is not None]
         fence = max(fences) if fences else None
-        holder = self.holder(key)
+        holder = self._holder_of(answered)
         if holder is None:
             return LockInfo(key, None, None, fence)
         left = [int(r[1]) for r in answered if r[0] and parse_value(r[0]) == holder]
@@ -821,6 +897,10 @@ class LockManager:
         failed = [
             (n, r) for n, r in zip(self.nodes, replies, strict=True) if isinstance(r, BaseException)
         ]
+        silent = _silent(replies) if failed else None
+        if silent:  # a late renewal there could re-take a released key: the release voids it
+            for lease in leases:
+                lease._silent = silent if lease._silent is None else lease._silent | silent
         if failed:
             log_renew.warning(
                 "renewal: %d of %d node(s) did not answer: %s: %s",

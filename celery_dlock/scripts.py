@@ -79,7 +79,8 @@ return 1
 #:
 #: KEYS[1] lock key, KEYS[2] waiter signal list.
 #: ARGV[1] value head, ARGV[2] signal ttl in ms, ARGV[3] "1" to wake a waiter, "0" not to,
-#: ARGV[4] our random token, the signal's content.
+#: "2" only if this call deleted the key (a release sent again: the first one may have woken a
+#: waiter already), ARGV[4] our random token, the signal's content.
 #: Returns 1 when deleted, 0 when the key was already gone, 2 when someone else holds it.
 #:
 #: The signal list holds at most one element and each BLPOP-ing waiter takes one, so a release
@@ -98,7 +99,7 @@ end
 if cur then
   redis.call('DEL', KEYS[1])
 end
-if ARGV[3] == '0' then
+if ARGV[3] == '0' or (ARGV[3] == '2' and not cur) then
   if cur then
     return 1
   end
@@ -127,6 +128,29 @@ redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 local cur = redis.call('GET', KEYS[1])
 if cur and string.sub(cur, 1, #ARGV[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+#: A release owed to a node that was silent while the lease was held (an acquire or renewal
+#: that timed out there may still run), or that a release did not reach: delete the lock if
+#: ours, wake a waiter if it was, and leave the attempt's void and revoked markers so that a
+#: late acquire (ACQUIRE) or renewal (EXTEND's re-take) of this acquisition cannot bring the
+#: key back.
+#:
+#: KEYS[1] lock key, KEYS[2] void marker, KEYS[3] revoked marker, KEYS[4] waiter signal list.
+#: ARGV[1] value head, ARGV[2] marker ttl in ms, ARGV[3] signal ttl in ms, ARGV[4] our random
+#: token. Returns 1 when deleted, 0 otherwise.
+RELEASE_LATE = """
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[4])
+  redis.call('RPUSH', KEYS[4], ARGV[4])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
   return 1
 end
 return 0
@@ -267,6 +291,7 @@ ALL = {
     "raise_fence": RAISE_FENCE,
     "release": RELEASE,
     "void": VOID,
+    "release_late": RELEASE_LATE,
     "release_holder": RELEASE_HOLDER,
     "release_token": RELEASE_TOKEN,
     "extend": EXTEND,

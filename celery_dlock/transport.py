@@ -16,11 +16,14 @@ their keys to the master that owns it (a :class:`Shard`, reached the same way as
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import select
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -99,7 +102,9 @@ class Node:
 
         With several nodes, a hung one would otherwise cost every call (and the renewal
         watchdog) a timeout or a new connection attempt. Skipping it only ever counts it as
-        failed, which is never less safe; one call tries it again after the cool-down.
+        failed, which is never less safe; one call tries it again after the cool-down, and a
+        call that could not reach a majority without it tries it at once (see
+        :func:`run_script`).
         """
         self._down_until = time.monotonic() + max(0.5, 2 * self.timeout)
 
@@ -144,6 +149,18 @@ class Node:
     def route(self, key: str) -> Node:
         """The node that holds ``key``: this one (a :class:`ClusterNode` picks its shard)."""
         return self
+
+
+class CoolingDown(RedisConnectionError):
+    """A node skipped during its cool-down: nothing was sent to it."""
+
+    dlock_unsent = True
+
+
+def unsent(reply: Reply) -> bool:
+    """True for a failure that happened before anything was sent (cool-down, no connection):
+    that node cannot run the command late."""
+    return bool(getattr(reply, "dlock_unsent", False))
 
 
 def node_for(url: str, timeout: float, prefix: str = "dlock") -> Node:
@@ -340,6 +357,11 @@ class _ThreadConnections(dict[str, Connection]):
     def close(self) -> None:
         for conn in self.values():
             conn.disconnect()
+            sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+            if sent:  # nobody will confirm these now: the janitor sends them again
+                with contextlib.suppress(Exception):  # at interpreter exit, modules go first
+                    _orphans.extend((conn._dlock_node, entry[0]) for entry in sent)
+                sent.clear()
         self.clear()
 
     def __del__(self) -> None:
@@ -395,6 +417,7 @@ def _connect_all(
         try:
             conns[i].connect()
         except (RedisError, OSError) as exc:
+            exc.dlock_unsent = True  # type: ignore[union-attr]
             replies[i] = exc
         return
     pool = _connector.get()
@@ -410,6 +433,7 @@ def _connect_all(
             nodes[i].drop_connection()
             failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
         if failure is not None:
+            failure.dlock_unsent = True  # type: ignore[attr-defined]
             replies[i] = failure
 
 
@@ -433,9 +457,14 @@ def _stale(conn: Connection) -> bool:
     if isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):
         return True
     try:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
+        # One poll object per socket, kept on the connection: making one per call cost
+        # more than the poll itself, on every acquire and every release.
+        cached: tuple[Any, Any] | None = getattr(conn, "_dlock_poll", None)
+        if cached is None or cached[0] is not sock:
+            poller = select.poll()
+            poller.register(sock, select.POLLIN)
+            cached = conn._dlock_poll = (sock, poller)
+        return bool(cached[1].poll(0))
     except (OSError, ValueError):
         return True
 
@@ -460,9 +489,14 @@ def run_script(
     replies: list[Reply] = [_PENDING] * len(nodes)
     several = len(nodes) > 1
     if several:
-        for i, node in enumerate(nodes):
-            if node.down:
-                replies[i] = RedisConnectionError(f"{node.shown} is cooling down after a failure")
+        cooling = [i for i, node in enumerate(nodes) if node.down]
+        # Skip cooling nodes only while the others can still make a majority: nodes that
+        # failed one after the other would otherwise refuse every call until the last
+        # cool-down ends, even with all of them back. Then every node is tried: with a
+        # majority really down, a call costs one timeout, as it would without cool-downs.
+        if cooling and len(nodes) - len(cooling) >= len(nodes) // 2 + 1:
+            for i in cooling:
+                replies[i] = CoolingDown(f"{nodes[i].shown} is cooling down after a failure")
     _connect_all(nodes, conns, replies, timeout)
     todo = [i for i, reply in enumerate(replies) if reply is _PENDING]
     if not todo:
@@ -479,11 +513,20 @@ def run_script(
         for i in todo:
             if isinstance(replies[i], RedisConnectionError | RedisTimeoutError | OSError):
                 nodes[i].mark_down()
+            elif nodes[i]._down_until:
+                nodes[i]._down_until = 0.0  # it answered: its cool-down is over
     return replies
 
 
-def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Sequence[Any]) -> None:
-    """Send script ``name`` to every node without waiting for the replies.
+def send_script(
+    nodes: Sequence[Node],
+    name: str,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    resend: Resend | None = None,
+) -> list[Node]:
+    """Send script ``name`` to every node without waiting for the replies; the nodes it could
+    not be sent to (cooling down, unreachable) are returned.
 
     For releases at the end of a task, where waiting for the reply would only delay the next
     task. Where the server allows it, the script goes out after ``CLIENT REPLY SKIP`` and as
@@ -492,8 +535,18 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
     (see :func:`_send_unanswered`). Otherwise each connection remembers what it still owes a
     reply for; the reply is read (and a forgotten script sent again as source) before that
     connection's next command. Redis runs a connection's commands in order, so nothing sent
-    later on this thread can overtake it. Either way a failure is only logged (at debug): the
-    key then lives out its ttl.
+    later on this thread can overtake it.
+
+    A connection the server has closed (idle ``timeout``, ``CLIENT KILL``, a restart, a
+    Sentinel failover) is found by a zero-timeout ``poll()`` before the write and replaced. A
+    close that races the write is learnt afterwards: with ``resend`` given, the command stays
+    unconfirmed on its socket until a later reply on that same socket shows the server read
+    it; if the socket dies first, ``resend`` goes out again ahead of that connection's next
+    command, and if the thread does not use the connection again soon, the janitor sends it
+    (see :func:`overdue`). No round trip is added while connections are healthy.
+
+    ``resend`` is ``(script, keys, args, until)``: safe to run twice, moot after ``until``
+    (monotonic).
     """
     packed: dict[bool | None, Any] = {}  # by "sent as SHA" (None: no reply): packed once
     if nodes and nodes[0].cluster:
@@ -501,22 +554,148 @@ def send_script(nodes: Sequence[Node], name: str, keys: Sequence[str], args: Seq
             nodes = [nodes[0].route(keys[0])]
         except RedisError as exc:
             log.debug("could not send %s to %s: %s", name, nodes[0].shown, exc)
-            return
+            return list(nodes)
+    missed: list[Node] = []
     for node in nodes:
         if len(nodes) > 1 and node.down:
+            missed.append(node)
             continue
         conn = node.connection()
         try:
-            if not is_connected(conn):
-                conn.connect()
-            _drain(node, conn)
-            # No staleness check: a connection the server closed means the server restarted
-            # and lost the key anyway; the next command finds the dead connection and replaces it.
+            _prepare(node, conn)
             if not _send_unanswered(node, conn, name, keys, args, packed):
                 _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
+            if resend is not None:  # unconfirmed until a later reply on this socket
+                _track(node, conn, resend)
         except (RedisError, OSError) as exc:
             conn.disconnect()
             log.debug("could not send %s to %s: %s", name, node.shown, exc)
+            missed.append(node)
+    return missed
+
+
+#: What to send again if a reply-less command may have been lost with its connection: a
+#: script that is safe to run twice, its keys and arguments, and when it stops mattering.
+Resend = tuple[str, tuple[str, ...], tuple[Any, ...], float]
+#: One unconfirmed command on a connection: what to send again, the socket it went out on,
+#: and when it went out (monotonic).
+_Sent = tuple[Resend, Any, float]
+
+#: Seconds a reply-less command may stay unconfirmed (its thread not using that connection
+#: again) before the janitor sends it once more on its own connection.
+CONFIRM_GRACE = 1.0
+#: Wakes the janitor (set by :mod:`celery_dlock.janitor`, which imports this module).
+sweeper: Callable[[], None] | None = None
+#: Connections that have carried a tracked command, for the janitor to look at; each is
+#: registered once, so the release path takes no lock.
+_tracked: weakref.WeakSet[Connection] = weakref.WeakSet()
+_tracked_lock = threading.Lock()
+#: True once any connection of this process has carried a tracked command.
+_any_tracked = False
+#: Unconfirmed commands of connections closed with their thread, for the janitor.
+_orphans: list[tuple[Node, Resend]] = []
+
+
+def _track(node: Node, conn: Connection, resend: Resend) -> None:
+    """Keep ``resend`` on ``conn`` until a reply read there confirms it (see :func:`_settle`)."""
+    global _any_tracked
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent is None:
+        sent = conn._dlock_sent = []
+        conn._dlock_node = node
+        with _tracked_lock:
+            _tracked.add(conn)
+        _any_tracked = True
+        if sweeper is not None:
+            sweeper()
+    sent.append((resend, conn._sock, time.monotonic()))
+
+
+def overdue(now: float) -> list[tuple[Node, Resend]]:
+    """For the janitor: commands unconfirmed for :data:`CONFIRM_GRACE`, taken off their
+    connections (the janitor sends them again; the owning thread no longer does)."""
+    with _tracked_lock:
+        conns = list(_tracked)
+    out: list[tuple[Node, Resend]] = []
+    while _orphans:
+        orphan = _orphans.pop()
+        if orphan[1][3] > now:
+            out.append(orphan)
+    for conn in conns:
+        sent: list[_Sent] = conn._dlock_sent
+        while sent:
+            try:
+                entry = sent[0]
+                if entry[2] + CONFIRM_GRACE > now:
+                    break
+                sent.remove(entry)  # the owner may clear the list meanwhile: then it is gone
+            except (IndexError, ValueError):
+                break
+            if entry[0][3] > now:
+                out.append((conn._dlock_node, entry[0]))
+    return out
+
+
+def tracking() -> bool:
+    """Whether any connection of this process has carried a tracked command."""
+    return _any_tracked
+
+
+def _after_fork() -> None:
+    """The parent's connections and their unconfirmed commands are the parent's."""
+    global _tracked, _tracked_lock, _any_tracked
+    _tracked = weakref.WeakSet()
+    _tracked_lock = threading.Lock()
+    _any_tracked = False
+    _orphans.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _settle(conn: Connection) -> None:
+    """A reply was read on ``conn``: every tracked command sent before it arrived."""
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent:
+        sent.clear()
+
+
+def _prepare(node: Node, conn: Connection) -> None:
+    """Make ``conn`` ready for a command: connected, owed replies read, not closed by the
+    server (a zero-timeout poll, no round trip), and what may have been lost with an earlier
+    socket sent again ahead of the command."""
+    if not is_connected(conn):
+        conn.connect()
+    if getattr(conn, "_dlock_owed", None):
+        _drain(node, conn)
+    if _stale(conn):
+        conn.disconnect()
+        conn.connect()
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent and sent[0][1] is not conn._sock:
+        _resend_lost(node, conn)
+
+
+def _resend_lost(node: Node, conn: Connection) -> None:
+    """Send again, ahead of the next command, the tracked commands whose socket died before
+    a reply on it confirmed them; their replies are read before the command's."""
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if not sent or sent[0][1] is conn._sock:
+        return
+    lost = [entry for entry in sent if entry[1] is not conn._sock]
+    sent[:] = [entry for entry in sent if entry[1] is conn._sock]
+    now = time.monotonic()
+    for resend, _, _ in lost:
+        name, keys, args, until = resend
+        if until <= now:
+            continue
+        log.info(
+            "%s: a reply-less %s may be lost with its connection; sending it again",
+            node.shown,
+            name,
+        )
+        _send_owed(node, conn, _Owed(name, keys, args, must=True))
+        sent.append((resend, conn._sock, now))
 
 
 #: ``CLIENT REPLY SKIP``, packed once: sent before a command whose reply nobody will read
@@ -559,8 +738,8 @@ def _send_unanswered(
         conn.send_packed_command([command + _PROBE_COMMAND], check_health=False)
         conn._dlock_skip = (conn._sock, False)  # until the probe's reply says otherwise
         _owed(conn).append(_Owed(_PROBE, (), ()))
-        return True
-    conn.send_packed_command([command], check_health=False)
+    else:
+        conn.send_packed_command([command], check_health=False)
     return True
 
 
@@ -631,12 +810,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
     conn = node.connection()
     deferred = Deferred(node, conn)
     try:
-        if not is_connected(conn):
-            conn.connect()
-        _drain(node, conn)
-        if _stale(conn):
-            conn.disconnect()
-            conn.connect()
+        _prepare(node, conn)
         _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args), deferred))
     except (RedisError, OSError) as exc:
         conn.disconnect()
@@ -647,7 +821,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
 class _Owed:
     """A command sent on a connection whose reply has not been read yet."""
 
-    __slots__ = ("args", "deferred", "keys", "name")
+    __slots__ = ("args", "deferred", "keys", "must", "name")
 
     def __init__(
         self,
@@ -655,11 +829,13 @@ class _Owed:
         keys: tuple[str, ...],
         args: tuple[Any, ...],
         deferred: Deferred | None = None,
+        must: bool = False,
     ) -> None:
         self.name = name
         self.keys = keys
         self.args = args
         self.deferred = deferred  # where the reply goes; None: checked, then dropped
+        self.must = must  # sent again (tracked on the connection): an error reply is logged
 
 
 def _send_owed(
@@ -728,26 +904,9 @@ def _drain(node: Node, conn: Connection) -> None:
             return
         while owed:
             entry = owed[0]
-            if entry.name == _PROBE:
-                _read_probe(conn)
-                owed.pop(0)
-                continue
-            try:  # the reply is almost always there already; the socket timeout bounds it
-                reply = conn.read_response()
-            except NoScriptError:
-                source = node.scripts[entry.name].script
-                conn.send_command("EVAL", source, len(entry.keys), *entry.keys, *entry.args)
-                reply = _read(conn) if entry.deferred is not None else conn.read_response()
-            except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
-                if node.owner is None:
-                    raise
-                node.owner.reload_later()
-                reply = node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
-            except ResponseError as exc:
-                if entry.deferred is None:
-                    raise
-                reply = exc
+            reply = _read_owed(node, conn, entry)
             owed.pop(0)
+            _settle(conn)  # a reply came: what was sent before it on this socket arrived
             if entry.deferred is not None:
                 entry.deferred.settle(reply)
     except (RedisError, OSError) as exc:
@@ -763,7 +922,31 @@ def _drain(node: Node, conn: Connection) -> None:
             for entry in owed:
                 if entry.deferred is not None and not entry.deferred.done:
                     entry.deferred.settle(failure or RedisConnectionError("connection lost"))
-            owed.clear()
+            owed.clear()  # tracked commands among them are sent again (_resend_lost)
+
+
+def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
+    """Read the reply ``entry`` is owed; raises when the connection can no longer be used."""
+    if entry.name == _PROBE:
+        _read_probe(conn)
+        return None
+    try:  # the reply is almost always there already; the socket timeout bounds it
+        return conn.read_response()
+    except NoScriptError:
+        source = node.scripts[entry.name].script
+        conn.send_command("EVAL", source, len(entry.keys), *entry.keys, *entry.args)
+        return _read(conn) if entry.deferred is not None else conn.read_response()
+    except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
+        if node.owner is None:
+            raise
+        node.owner.reload_later()
+        return node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
+    except ResponseError as exc:
+        if entry.deferred is None and not entry.must:
+            raise
+        if entry.must:  # refused, not lost: sending it again cannot help
+            log.warning("%s refused %s: %s", node.shown, entry.name, exc)
+        return exc
 
 
 def _exchange(
@@ -785,6 +968,9 @@ def _exchange(
     reply can never be read as the answer to a later command.
     """
     unread: dict[int, int] = {}  # socket fd -> node index
+    # Connections that never carried a tracked command (reply-less releases) owe nothing to
+    # send again or confirm: skip that bookkeeping on them (Redlock's waited calls, renewals).
+    tracked = _any_tracked
     try:
         for i in todo:
             _drain(nodes[i], conns[i])
@@ -797,6 +983,10 @@ def _exchange(
                     # idle timeout). Reconnect rather than fail this call.
                     conn.disconnect()
                     conn.connect()
+                if tracked:
+                    sent = getattr(conn, "_dlock_sent", None)
+                    if sent and sent[0][1] is not conn._sock:
+                        _resend_lost(nodes[i], conn)
                 conn.send_packed_command(packed, check_health=False)
                 unread[conn._sock.fileno()] = i
             except (RedisError, OSError) as exc:
@@ -804,7 +994,7 @@ def _exchange(
         if len(unread) == 1 and timeout >= nodes[next(iter(unread.values()))].timeout:
             # One node alone may simply block up to its socket timeout.
             i = unread.popitem()[1]
-            replies[i] = _read(conns[i])
+            replies[i] = _reply(nodes[i], conns[i]) if tracked else _read(conns[i])
             return
         deadline = time.monotonic() + timeout
         poller = select.poll()
@@ -822,7 +1012,7 @@ def _exchange(
             for fd, _ in ready:
                 i = unread.pop(fd)
                 poller.unregister(fd)
-                replies[i] = _read(conns[i])
+                replies[i] = _reply(nodes[i], conns[i]) if tracked else _read(conns[i])
     except BaseException:
         for i in unread.values():
             conns[i].disconnect()
@@ -835,6 +1025,24 @@ def _read(conn: Connection) -> Reply:
         return conn.read_response()
     except (RedisError, OSError) as exc:
         return exc
+
+
+def _reply(node: Node, conn: Connection) -> Reply:
+    """The reply to the command just sent on ``conn`` (after any sent again ahead of it), or
+    the exception that stands in for it. A reply read confirms the reply-less commands sent
+    before it on this socket."""
+    if getattr(conn, "_dlock_owed", None):
+        _drain(node, conn)
+    try:
+        reply = conn.read_response()
+    except ResponseError as exc:  # an error reply is still a reply
+        reply = exc
+    except (RedisError, OSError) as exc:
+        return exc
+    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    if sent:
+        sent.clear()  # confirmed (see _settle)
+    return reply
 
 
 def _stale_set(conns: Sequence[Connection], todo: Sequence[int]) -> set[int]:

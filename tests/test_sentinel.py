@@ -75,6 +75,18 @@ def test_failover_keeps_a_replicated_lease_and_moves_to_the_new_master(group: Gr
     assert data(group.replica.port, "s-kept") is None
 
 
+def test_the_first_release_after_a_failover_reaches_the_new_master(group: Group) -> None:
+    """Sentinel closes the old master's clients when it demotes it. The end-of-task release
+    (no reply awaited) on a thread whose connection was closed so must still reach the new
+    master, not vanish into the dead socket (issue "Seams, Redis side", item 1)."""
+    lease = lock([group.url], "s-after", ttl=2 * TTL).acquire()
+    poll("the lock to reach the replica", lambda: data(group.replica.port, "s-after"))
+    group.fail_over()  # returns once the old master follows the new one
+    assert data(group.replica.port, "s-after") is not None  # the new master has the key
+    lease.release(wait=False)  # on this thread's connection, to the old master
+    poll("the release on the new master", lambda: data(group.replica.port, "s-after") is None, 1)
+
+
 def test_failover_before_replication_loses_the_lock_and_the_holder_learns_it(
     group: Group,
 ) -> None:
