@@ -18,7 +18,11 @@ if ! command -v faketime >/dev/null 2>&1; then
         echo "== no faketime and not root: the beat clock-skew tests will skip"
     fi
 fi
-echo "== pytest"; python -m pytest "$@"
+# Two processes by default: whole files go to one process each, so a module's workers and
+# servers stay with its tests. DLOCK_TEST_PROCESSES changes it (0: all in this process); with
+# servers of your own (DLOCK_TEST_REDIS_URLS) it is 0, as the two would flush each other's keys.
+if [ -n "${DLOCK_TEST_REDIS_URLS:-}" ]; then processes=${DLOCK_TEST_PROCESSES:-0}; else processes=${DLOCK_TEST_PROCESSES:-2}; fi
+echo "== pytest"; python -m pytest -n "$processes" --dist loadfile "$@"
 for arg in "$@"; do
     case "$arg" in
         -q | -qq | -v | -vv | -x | -ra) ;;  # output flags: still the whole suite
