@@ -1,0 +1,50 @@
+"""Fixtures of the compat tests: ``tests.compat_app`` in this process, its journal, and one
+real ``celery worker`` of it shared by every compat test module of the session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+from tests.celery_fixtures import Mode, make_mode
+from tests.clients import client
+from tests.workers import Journal, Worker
+
+
+@pytest.fixture(scope="session")
+def compat_mode(celery_base: str) -> Mode:
+    """Single Redis: broker, results, locks (the peers' settings point there) and journal."""
+    return make_mode("single", celery_base)
+
+
+@pytest.fixture(scope="session")
+def ca(compat_mode: Mode) -> ModuleType:
+    """This process's copy of ``tests.compat_app``, pointed at the session's servers."""
+    os.environ.update(compat_mode.env)
+    from tests import compat_app
+
+    compat_app.app.conf.broker_url = compat_mode.env["DLOCK_TEST_BROKER"]
+    compat_app.app.conf.result_backend = compat_mode.env["DLOCK_TEST_BACKEND"]
+    return compat_app
+
+
+@pytest.fixture
+def compat_journal(compat_mode: Mode, ca: ModuleType) -> Journal:
+    """The journal, emptied, and the lock database flushed: each test starts with no locks."""
+    journal = Journal(compat_mode.env["DLOCK_TEST_JOURNAL"])
+    journal.clear()
+    for url in compat_mode.lock_urls:
+        client(url).flushdb()
+    return journal
+
+
+@pytest.fixture(scope="session")
+def compat_worker(compat_mode: Mode, ca: ModuleType) -> Iterator[Worker]:
+    journal = Journal(compat_mode.env["DLOCK_TEST_JOURNAL"])
+    worker = Worker(compat_mode.env, journal, name="compat", app="tests.compat_app")
+    worker.start()
+    yield worker
+    worker.stop()
