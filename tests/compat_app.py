@@ -96,9 +96,12 @@ def expiring_task(*args: Any) -> Any:
 # -- celery-once's test tasks -------------------------------------------------------------------
 
 
-@app.task(name="example", base=QueueOnce)
-def example(a: int = 1) -> int:
-    return a
+@app.task(name="example", base=QueueOnce, bind=True)
+def example(self: Any, a: int = 1) -> dict[str, Any]:
+    """Reports whether its key was held while it ran (upstream asserts it in the body)."""
+    key = self.get_key((a,), {})
+    holder = self._dlock().manager.holder(key)
+    return {"a": a, "held_by_me": holder is not None and holder.holder == self.request.id}
 
 
 @app.task(
@@ -168,3 +171,23 @@ def once_flaky(self: Any, a: int, b: int) -> int:
     if self.request.retries == 0:
         raise self.retry(countdown=1)
     return a + b
+
+
+# -- celery-once's README "Flask Integration": a QueueOnce subclass that wraps __call__ --------
+
+entered: list[str] = []
+
+
+class ContextQueueOnce(QueueOnce):
+    """README: ``class ContextQueueOnce(QueueOnce)`` entering an app context in ``__call__``
+    (here a record of it: Flask is not installed)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entered.append(self.request.id or "")
+        return super().__call__(*args, **kwargs)
+
+
+@app.task(base=ContextQueueOnce, bind=True)
+def sleep_task(self: Any, value: float) -> dict[str, Any]:
+    _body(self, "flask-sleep", value)
+    return {"in_context": self.request.id in entered, "key": self.lease.key if self.lease else None}

@@ -20,7 +20,7 @@ from celery.result import EagerResult
 from celery.utils import uuid
 
 from celery_dlock.config import check_seconds, settings_from_app
-from celery_dlock.errors import ConfigError, LockUnavailable
+from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for, manager_for_settings
 from celery_dlock.task import HEADER_QUEUED, PEER_OPTIONS, SingletonTask
@@ -90,6 +90,33 @@ def _options(value: Any, allowed: tuple[str, ...], where: str) -> dict[str, Any]
     if value.get("timeout") is not None:
         check_seconds(f"{where}: once['timeout']", value["timeout"])
     return dict(value)
+
+
+class OnceBackend:
+    """What celery-once's ``task.once_backend`` offers, on the task's own lock nodes."""
+
+    def __init__(self, task: QueueOnce) -> None:
+        self.task = task
+
+    def raise_or_lock(self, key: str, timeout: float) -> None:
+        """Hold ``key`` for ``timeout`` seconds as a queued message would, or raise
+        :class:`AlreadyQueued` with the seconds its holder has left."""
+        manager = self.task._dlock().manager
+        seconds = check_seconds("timeout", timeout)
+        try:
+            lease = manager.acquire(
+                key, ttl=seconds, holder=f"once-{uuid()}", renew=False, queued=True
+            )
+        except LockContended as exc:
+            left = exc.retry_after if exc.retry_after is not None else -1.0
+            raise AlreadyQueued(round(left, 3)) from None
+        manager.forget(lease)
+
+    def clear_lock(self, key: str) -> bool:
+        """Force-release ``key``; a running holder is told it lost it. True if it was held."""
+        manager = self.task._dlock().manager
+        holder = manager.holder(key)
+        return holder is not None and manager.force_release(key, holder)
 
 
 #: Per thread: the per-call ``once['timeout']`` of the publish under way.
@@ -162,6 +189,11 @@ class QueueOnce(SingletonTask):
         if timeout is None:
             timeout = self.once.get("timeout")
         return float(timeout) if timeout is not None else self.default_timeout
+
+    @property
+    def once_backend(self) -> OnceBackend:
+        """celery-once's backend interface (``raise_or_lock``, ``clear_lock``) on our locks."""
+        return OnceBackend(self)
 
     def get_key(self, args: Any = None, kwargs: Any = None) -> str:
         """The lock key of a call with these arguments (celery-once's ``get_key``)."""
