@@ -110,7 +110,8 @@ def _raise_on_duplicate(value: Any) -> str:
     return (
         "celery-singleton, which SingletonTask does not read: a duplicate .delay() cannot "
         "raise here; with lock_on='enqueue' compare the id you get back (the delay_once "
-        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker"
+        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker, or use "
+        "base=celery_dlock.compat.Singleton, which reads it"
     )
 
 
@@ -118,7 +119,7 @@ def _lock_expiry(value: Any) -> str:
     return (
         "celery-singleton, which SingletonTask does not read: write lock_queued_ttl= for the "
         "time a message waits in the queue and lock_ttl= for the lease while it runs (renewed, "
-        "so it need not cover the run)"
+        "so it need not cover the run), or use base=celery_dlock.compat.Singleton, which reads it"
     )
 
 
@@ -135,7 +136,8 @@ def _once(value: Any) -> str:
     return (
         "celery-once, which SingletonTask does not read: write "
         f"@app.task(base=SingletonTask, {', '.join(parts)}) instead, per task (a duplicate "
-        f"gets the queued task's result, as with graceful=True){extra}"
+        f"gets the queued task's result, as with graceful=True){extra}, or use "
+        "base=celery_dlock.compat.QueueOnce, which reads it"
     )
 
 

@@ -19,6 +19,7 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
+from celery_dlock.compat.singleton import check_argument_names
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.redlock import LockManager
@@ -153,6 +154,7 @@ class QueueOnce(SingletonTask):
                         "such as once={'keys': ['a']}."
                     )
                 cls.lock_key = list(keys)
+                check_argument_names(cls, f"once['keys']={keys!r}", cls.lock_key, where)
             if once.get("unlock_before_run"):
                 # The body runs under a key of its own: a duplicate published meanwhile is
                 # queued, and waits (requeued) for the running one to end before it runs.

@@ -9,6 +9,7 @@ already queued or running for the key, or raises :class:`DuplicateTaskError` nam
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -90,6 +91,27 @@ class SingletonConfig:
             )
 
 
+def check_argument_names(cls: type, option: str, names: Sequence[str], where: str) -> None:
+    """Refuse argument names the task's function does not take, naming the peer's option
+    (``lock_key`` would be named otherwise, which the user did not write)."""
+    run = cls.__dict__.get("run")
+    if isinstance(run, staticmethod):
+        parameters = list(inspect.signature(run.__func__).parameters.values())
+    elif inspect.isfunction(run):  # a bind=True task's or a class body's method: skip self
+        parameters = list(inspect.signature(run).parameters.values())[1:]
+    else:
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    taken = [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    unknown = [n for n in names if n not in taken]
+    if unknown:
+        raise ConfigError(
+            f"{where}: {option} names {unknown[0]!r}, which the task does not take; its "
+            f"arguments are {', '.join(taken) or 'none'}."
+        )
+
+
 def lock_key_of(unique_on: Any, where: str) -> Any:
     """celery-singleton's ``unique_on`` as a ``lock_key``: None (every argument), one name or
     a list of names; an empty list is the task name alone, as in celery-singleton 0.3.1."""
@@ -142,6 +164,8 @@ class Singleton(SingletonTask):
                     f"{cls.__dict__['lock_key']!r}; keep one of them."
                 )
             cls.lock_key = lock_key_of(cls.unique_on, where)
+            if cls.lock_key:
+                check_argument_names(cls, f"unique_on={cls.unique_on!r}", cls.lock_key, where)
         if cls.lock_expiry is not None:
             check_seconds(f"{where}: lock_expiry", cls.lock_expiry)
         if cls.raise_on_duplicate not in (None, True, False):
