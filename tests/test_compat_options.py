@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError
-from celery_dlock.compat import AlreadyQueued, QueueOnce, Singleton
+from celery_dlock.compat import AlreadyQueued, QueueOnce, Singleton, clear_locks
 
 IDLE = "compat-idle"
 
@@ -176,3 +176,28 @@ def test_an_overridden_on_duplicate_method_is_called(single_urls: list[str]) -> 
     first = t.apply_async((1,), queue=IDLE)
     assert t.apply_async((1,), queue=IDLE) == f"duplicate of {first.id}"
     assert seen == [first.id]
+
+
+def test_the_compat_classes_on_redlock(redlock_urls: list[str]) -> None:
+    """With dlock_urls (five masters: Redlock) set, both classes lock there."""
+    app = make_app(redlock_urls[:1], dlock_urls=redlock_urls)
+    app.conf.singleton_backend_url = "redis://127.0.0.1:1/0"  # dlock_urls wins
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": "redis://x/0"}}
+
+    @app.task(base=Singleton, shared=False)
+    def single(a: int) -> None:
+        pass
+
+    @app.task(base=QueueOnce, shared=False)
+    def once(a: int) -> None:
+        pass
+
+    first = single.apply_async((1,), queue=IDLE)
+    assert single.apply_async((1,), queue=IDLE) == first
+    once.apply_async((1,), queue=IDLE)
+    with pytest.raises(AlreadyQueued):
+        once.apply_async((1,), queue=IDLE)
+    assert single._dlock().manager.settings.urls == tuple(redlock_urls)
+    assert once._dlock().manager is single._dlock().manager
+    assert clear_locks(app) == [single.lock_key_for((1,), {})]  # queued Singleton keys only
+    assert single.apply_async((1,), queue=IDLE) != first

@@ -267,7 +267,12 @@ class Singleton(SingletonTask):
         manager = self._dlock().manager
         try:
             lease = manager.acquire(
-                lock, ttl=self._queued_ttl({}), holder=task_id, renew=False, queued=True
+                lock,
+                ttl=self._queued_ttl({}),
+                holder=task_id,
+                renew=False,
+                queued=True,
+                sender=self,
             )
         except LockContended:
             return False
@@ -300,19 +305,22 @@ def clear_locks(app: Any) -> list[str]:
     celery-singleton); a running task keeps its key and is not disturbed. To take a running
     task's key away, use ``task.release_lock(args, kwargs)`` or ``celery dlock release``.
     """
-    freed: list[str] = []
-    seen: set[tuple[int, str]] = set()
+    # One scan per lock manager (per set of nodes), not one per task: a project may have
+    # hundreds of Singleton tasks.
+    by_manager: dict[int, tuple[LockManager, dict[str, Singleton]]] = {}
     for task in list(app.tasks.values()):
-        if not isinstance(task, Singleton):
-            continue
-        manager = task._dlock().manager
-        if (id(manager), task.name) in seen:
-            continue
-        seen.add((id(manager), task.name))
-        for info in manager.locks(task.name):
+        if isinstance(task, Singleton):
+            manager = task._dlock().manager
+            by_manager.setdefault(id(manager), (manager, {}))[1][task.name] = task
+    freed: list[str] = []
+    for manager, names in by_manager.values():
+        for info in manager.locks(""):
             holder = info.holder
-            if holder is None or not holder.queued or holder.task not in (None, task.name):
-                continue
+            if holder is None or not holder.queued:
+                continue  # free, or held by a running task: left alone
+            owner = next((n for n in names if info.key.startswith(f"{n}:")), None)
+            if owner is None or holder.task not in (None, owner):
+                continue  # not a Singleton task's key
             if manager.force_release(info.key, holder):
                 freed.append(info.key)
     return freed
