@@ -48,47 +48,47 @@ class ExpectedTaskFail(Exception):
 # -- celery-singleton's test tasks --------------------------------------------------------------
 
 
-@app.task(base=Singleton)
+@app.task(shared=False, base=Singleton)
 def simple_task(*args: Any) -> Any:
     return args
 
 
-@app.task(base=Singleton)
+@app.task(shared=False, base=Singleton)
 def fails(*args: Any) -> None:
     raise ExpectedTaskFail()
 
 
-@app.task(base=Singleton, raise_on_duplicate=True)
+@app.task(shared=False, base=Singleton, raise_on_duplicate=True)
 def raise_on_duplicate_task(*args: Any) -> Any:
     return args
 
 
-@app.task(base=Singleton, unique_on=["a", "c"])
+@app.task(shared=False, base=Singleton, unique_on=["a", "c"])
 def unique_on_args_task(a: int, b: int, c: int, d: int = 4) -> int:
     return a * b * c * d
 
 
-@app.task(base=Singleton, unique_on=["b", "d"])
+@app.task(shared=False, base=Singleton, unique_on=["b", "d"])
 def unique_on_kwargs_task(a: int, b: int = 2, c: int = 3, d: int = 4) -> int:
     return a * b * c * d
 
 
-@app.task(base=Singleton, unique_on=[])
+@app.task(shared=False, base=Singleton, unique_on=[])
 def unique_on_empty_task(a: int, b: int = 2, c: int = 3, d: int = 4) -> int:
     return a * b * c * d
 
 
-@app.task(base=Singleton, unique_on="c")
+@app.task(shared=False, base=Singleton, unique_on="c")
 def unique_on_string_task(a: int, b: int = 2, c: int = 3, d: int = 4) -> int:
     return a * b * c * d
 
 
-@app.task(base=Singleton, unique_on="d")
+@app.task(shared=False, base=Singleton, unique_on="d")
 def unique_on_default_task(a: int, b: int = 2, c: int = 3, d: int = 4) -> int:
     return a * b * c * d
 
 
-@app.task(base=Singleton, lock_expiry=60)
+@app.task(shared=False, base=Singleton, lock_expiry=60)
 def expiring_task(*args: Any) -> Any:
     return args
 
@@ -96,7 +96,7 @@ def expiring_task(*args: Any) -> Any:
 # -- celery-once's test tasks -------------------------------------------------------------------
 
 
-@app.task(name="example", base=QueueOnce, bind=True)
+@app.task(shared=False, name="example", base=QueueOnce, bind=True)
 def example(self: Any, a: int = 1) -> dict[str, Any]:
     """Reports whether its key was held while it ran (upstream asserts it in the body)."""
     key = self.get_key((a,), {})
@@ -105,6 +105,7 @@ def example(self: Any, a: int = 1) -> dict[str, Any]:
 
 
 @app.task(
+    shared=False,
     name="example_unlock_before_run",
     base=QueueOnce,
     once={"unlock_before_run": True},
@@ -114,7 +115,7 @@ def example_unlock_before_run(self: Any, secs: float = 0.0) -> None:
     _body(self, "unlock_before_run", secs)
 
 
-@app.task(name="example_retry", base=QueueOnce, once={"keys": []}, bind=True)
+@app.task(shared=False, name="example_retry", base=QueueOnce, once={"keys": []}, bind=True)
 def example_retry(self: Any, a: int = 0) -> int:
     record("start", name="example_retry", id=self.request.id, retries=self.request.retries)
     if a != 1:
@@ -122,22 +123,22 @@ def example_retry(self: Any, a: int = 0) -> int:
     return a
 
 
-@app.task(name="bound_task", bind=True, base=QueueOnce)
+@app.task(shared=False, name="bound_task", bind=True, base=QueueOnce)
 def bound_task(self: Any, a: int, b: int) -> int:
     return a + b
 
 
-@app.task(name="args_example", base=QueueOnce)
+@app.task(shared=False, name="args_example", base=QueueOnce)
 def args_example(a: int, b: int) -> int:
     return a + b
 
 
-@app.task(name="select_args_example", base=QueueOnce, once={"keys": ["a"]})
+@app.task(shared=False, name="select_args_example", base=QueueOnce, once={"keys": ["a"]})
 def select_args_example(a: int, b: int) -> int:
     return a + b
 
 
-@app.task(name="autoretry_for_example", base=QueueOnce, autoretry_for=(Exception,))
+@app.task(shared=False, name="autoretry_for_example", base=QueueOnce, autoretry_for=(Exception,))
 def autoretry_for_example(a: int, b: int) -> int:
     return a + b
 
@@ -145,13 +146,13 @@ def autoretry_for_example(a: int, b: int) -> int:
 # -- the fault scenarios' tasks (anchor-faults.md: work, flaky), once per compat class ---------
 
 
-@app.task(base=Singleton, bind=True)
+@app.task(shared=False, base=Singleton, bind=True)
 def work(self: Any, a: int, b: int, secs: float) -> int:
     _body(self, f"singleton-{a}-{b}", secs)
     return a + b
 
 
-@app.task(base=Singleton, bind=True)
+@app.task(shared=False, base=Singleton, bind=True)
 def flaky(self: Any, a: int, b: int) -> int:
     _body(self, f"singleton-flaky-{a}-{b}", 0.1)
     if self.request.retries == 0:
@@ -159,13 +160,13 @@ def flaky(self: Any, a: int, b: int) -> int:
     return a + b
 
 
-@app.task(base=QueueOnce, bind=True)
+@app.task(shared=False, base=QueueOnce, bind=True)
 def once_work(self: Any, a: int, b: int, secs: float) -> int:
     _body(self, f"once-{a}-{b}", secs)
     return a + b
 
 
-@app.task(base=QueueOnce, bind=True)
+@app.task(shared=False, base=QueueOnce, bind=True)
 def once_flaky(self: Any, a: int, b: int) -> int:
     _body(self, f"once-flaky-{a}-{b}", 0.1)
     if self.request.retries == 0:
@@ -187,7 +188,7 @@ class ContextQueueOnce(QueueOnce):
         return super().__call__(*args, **kwargs)
 
 
-@app.task(base=ContextQueueOnce, bind=True)
+@app.task(shared=False, base=ContextQueueOnce, bind=True)
 def sleep_task(self: Any, value: float) -> dict[str, Any]:
     _body(self, "flask-sleep", value)
     return {"in_context": self.request.id in entered, "key": self.lease.key if self.lease else None}

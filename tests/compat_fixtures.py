@@ -1,5 +1,5 @@
 """Fixtures of the compat tests: ``tests.compat_app`` in this process, its journal, and one
-real ``celery worker`` of it shared by every compat test module of the session."""
+real ``celery worker`` of it per test module."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ from types import ModuleType
 
 import pytest
 
-from tests.celery_fixtures import Mode, make_mode
+from tests.celery_fixtures import Mode, make_mode, with_db
 from tests.clients import client
 from tests.workers import Journal, Worker
 
 
 @pytest.fixture(scope="session")
 def compat_mode(celery_base: str) -> Mode:
-    """Single Redis: broker, results, locks (the peers' settings point there) and journal."""
-    return make_mode("single", celery_base)
+    """Single Redis: locks (the peers' settings point there) and journal as for the other
+    worker tests, but a broker (db 14) and results (db 15) of their own, so that no other
+    module's worker takes the compat app's messages, nor the compat worker theirs."""
+    mode = make_mode("single", celery_base)
+    mode.env["DLOCK_TEST_BROKER"] = with_db(celery_base, 14)
+    mode.env["DLOCK_TEST_BACKEND"] = with_db(celery_base, 15)
+    return mode
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +46,7 @@ def compat_journal(compat_mode: Mode, ca: ModuleType) -> Journal:
     return journal
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def compat_worker(compat_mode: Mode, ca: ModuleType) -> Iterator[Worker]:
     journal = Journal(compat_mode.env["DLOCK_TEST_JOURNAL"])
     worker = Worker(compat_mode.env, journal, name="compat", app="tests.compat_app")

@@ -89,7 +89,7 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 
 def test_celery_singleton_readme_project(compat_mode: Mode) -> None:
-    with project("singleton_project", compat_mode, SINGLETON_SCALE, 5) as proj:
+    with project("singleton_project", compat_mode, SINGLETON_SCALE, 2) as proj:
         do_stuff = proj.do_stuff
         # Quick start
         async_result = do_stuff.delay(1, 2, 3, a="b")
@@ -135,7 +135,7 @@ def test_celery_singleton_readme_project(compat_mode: Mode) -> None:
 
 
 def test_celery_once_readme_project(compat_mode: Mode) -> None:
-    with project("once_project", compat_mode, ONCE_SCALE, 6) as proj:
+    with project("once_project", compat_mode, ONCE_SCALE, 5) as proj:
         manager = proj.slow_task._dlock().manager
         # Usage: a second .delay() / .apply_async() before the first completes raises
         first = proj.slow_task.delay()

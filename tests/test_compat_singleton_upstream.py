@@ -200,7 +200,7 @@ class TestRaiseOnDuplicateConfig:
     def test__default_false(self, app: Celery) -> None:
         fresh = Celery(set_as_current=False)
 
-        @fresh.task(base=Singleton)
+        @fresh.task(base=Singleton, shared=False)
         def mytask() -> None:
             pass
 
@@ -210,7 +210,7 @@ class TestRaiseOnDuplicateConfig:
         fresh = Celery(set_as_current=False)
         fresh.config_from_object({"singleton_raise_on_duplicate": False})
 
-        @fresh.task(base=Singleton, raise_on_duplicate=True)
+        @fresh.task(base=Singleton, raise_on_duplicate=True, shared=False)
         def mytask() -> None:
             pass
 
@@ -221,7 +221,7 @@ class TestRaiseOnDuplicateConfig:
         fresh = Celery(set_as_current=False)
         fresh.config_from_object({"singleton_raise_on_duplicate": True})
 
-        @fresh.task(base=Singleton)
+        @fresh.task(base=Singleton, shared=False)
         def mytask() -> None:
             pass
 
