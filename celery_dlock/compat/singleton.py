@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from celery.utils import uuid
 
-from celery_dlock.config import check_seconds
+from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for, manager_for_settings
@@ -188,17 +188,17 @@ class Singleton(SingletonTask):
         return bool(self.singleton_config.raise_on_duplicate)
 
     def _lock_manager(self) -> LockManager:
+        """The nodes of ``dlock_urls`` when set, else celery-singleton's URL (see
+        :attr:`SingletonConfig.backend_url`), with the app's other ``dlock_*`` settings."""
         config = self.singleton_config
         config.check()
-        if self.app.conf.get("dlock_urls") is not None:
-            return manager_for(self.app)
-        from celery_dlock.config import settings_from_app
-
         url = config.backend_url
-        setting = "singleton_backend_url" if self.app.conf.get("singleton_backend_url") else ""
-        setting = setting or "the result backend or broker URL (singleton_backend_url is unset)"
-        if url is None:
+        if self.app.conf.get("dlock_urls") is not None or url is None:
             return manager_for(self.app)
+        if self.app.conf.get("singleton_backend_url") is not None:
+            setting = "singleton_backend_url"
+        else:
+            setting = "the result backend or broker URL (singleton_backend_url is unset)"
         return manager_for_settings(settings_from_app(self.app, ([url], setting)))
 
     def _queued_ttl(self, options: Mapping[str, Any]) -> float:
