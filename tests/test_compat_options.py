@@ -104,8 +104,9 @@ def test_per_call_once_options_are_checked(single_urls: list[str]) -> None:
         ({"ONCE": {"settings": "x"}}, r"ONCE\['settings'\]='x' must be a dict"),
         ({"ONCE": {"settings": {"url": 5}}}, r"ONCE\['settings'\]\['url'\]=5 must be"),
         ({"ONCE": {"settings": {"default_timeout": -5}}}, r"default_timeout"),
+        ({"ONCE": {"settings": {"blocking": True, "blocking_timeout": "x"}}}, r"blocking_timeout"),
     ],
-    ids=["once-str", "settings-str", "url-int", "timeout"],
+    ids=["once-str", "settings-str", "url-int", "timeout", "blocking_timeout"],
 )
 def test_bad_once_settings_are_named(
     single_urls: list[str], setting: dict[str, Any], message: str

@@ -229,7 +229,9 @@ class QueueOnce(SingletonTask):
         settings = once_settings(self.app.conf)
         blocking = bool(settings.get("blocking", False))
         wait = settings.get("blocking_timeout", 1) if blocking else 0.0
-        deadline = None if wait is None else time.monotonic() + float(wait)
+        if wait is not None:
+            wait = check_seconds("ONCE['settings']['blocking_timeout']", wait, allow_zero=True)
+        deadline = None if wait is None else time.monotonic() + wait
         pause = 0.01
         _call.timeout = once.get("timeout")
         try:
