@@ -192,3 +192,18 @@ class ContextQueueOnce(QueueOnce):
 def sleep_task(self: Any, value: float) -> dict[str, Any]:
     _body(self, "flask-sleep", value)
     return {"in_context": self.request.id in entered, "key": self.lease.key if self.lease else None}
+
+
+# -- S6: a lifetime shorter than the run (celery-singleton lock_expiry, celery-once timeout) --
+
+
+@app.task(shared=False, base=Singleton, bind=True, lock_expiry=1)
+def short_lived(self: Any, a: int, secs: float) -> int:
+    _body(self, f"singleton-short-{a}", secs)
+    return a
+
+
+@app.task(shared=False, base=QueueOnce, bind=True, once={"timeout": 1})
+def once_short_lived(self: Any, a: int, secs: float) -> int:
+    _body(self, f"once-short-{a}", secs)
+    return a

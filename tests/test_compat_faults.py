@@ -1,7 +1,8 @@
 """The fault scenarios of shared/research/anchor-faults.md run through the compat classes.
 
 The same scenarios measured against celery-singleton 0.3.1 and celery-once 3.0.1 (S1 duplicate
-storm, S2 positional vs keyword, S3 revoke, S4 worker crash, S5 retry, S7 key deleted under a
+storm, S2 positional vs keyword, S3 revoke, S4 worker crash, S5 retry, S6 a run longer than the
+lock lifetime, S7 key deleted under a
 running task, S8 ``send_task``), here with ``celery_dlock.compat.Singleton`` and ``QueueOnce``
 tasks (``work`` and ``flaky`` as in the measurements, tests/compat_app.py) in a real prefork
 worker. Each test asserts our behaviour; the comment above it says what the peers did.
@@ -152,6 +153,24 @@ def test_s5_retry_runs_and_the_key_is_freed(
     fresh, _ = resubmit_until_accepted(flaky, (5, 5), timeout=5)
     assert fresh.id != result.id
     assert fresh.get(timeout=15) == 10
+
+
+# S6: both peers, lock lifetime 3 s, 8 s body, duplicate at 4 s: the key had expired, the
+# duplicate ran beside the first (4.0 s overlap). Here (lifetime 1 s, 2.5 s body, duplicate at
+# 1.5 s): the lifetime covers the queue only; the running task's key is renewed.
+def test_s6_a_run_longer_than_the_lock_lifetime_keeps_its_key(
+    ca: ModuleType, kind: str, compat_worker: Worker, compat_journal: Journal
+) -> None:
+    task = ca.short_lived if kind == "singleton" else ca.once_short_lived
+    name = f"{kind}-short-6"
+    first = task.delay(6, 2.5)
+    started = compat_journal.wait_for("start", name=name)[0]["t"]
+    while time.monotonic() < started + 1.5:  # past the 1 s lifetime, the run still going
+        time.sleep(0.02)
+    assert not first.ready()
+    assert publish(task, (6, 2.5)) is None
+    assert first.get(timeout=15) == 6
+    assert len(compat_journal.select("start", name=name)) == 1
 
 
 # S7: both peers: the running task gets no signal and succeeds, a duplicate runs alongside
