@@ -4,8 +4,8 @@ The same scenarios measured against celery-singleton 0.3.1 and celery-once 3.0.1
 storm, S2 positional vs keyword, S3 revoke, S4 worker crash, S5 retry, S6 a run longer than the
 lock lifetime, S7 key deleted under a running task, S8 ``send_task``), here with
 ``celery_dlock.compat.Singleton`` and ``QueueOnce`` tasks (``work`` and ``flaky`` as in the
-measurements, tests/compat_app.py) in a real prefork worker. Each test asserts our behaviour; the comment above it says what the peers did.
-docs/migrating.md has the table.
+measurements, tests/compat_app.py) in a real prefork worker. Each test asserts our behaviour;
+the comment above it says what the peers did. docs/migrating.md has the table.
 """
 
 from __future__ import annotations
