@@ -263,12 +263,15 @@ def broker_lock_urls(conf: Any) -> list[str]:
     )
 
 
-def settings_from_app(app: Any) -> Settings:
-    """Read the ``dlock_*`` settings of a Celery app; ``dlock_urls`` falls back to the broker."""
+def settings_from_app(app: Any, fallback: tuple[Any, str] | None = None) -> Settings:
+    """Read the ``dlock_*`` settings of a Celery app; ``dlock_urls`` falls back to
+    ``fallback`` (URLs and the setting they came from, for its errors), then the broker."""
     conf = app.conf
     check_setting_names(conf)
     urls = conf.get("dlock_urls")
     setting = "dlock_urls"
+    if urls is None and fallback is not None:
+        urls, setting = fallback
     if urls is None:
         urls = broker_lock_urls(conf)
         setting = "broker_url (used as dlock_urls is not set)"

@@ -94,19 +94,24 @@ LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
 
 
 def _unique_on(value: Any) -> str:
+    # celery-singleton 0.3.1: a string is one name, an empty list the task name alone.
     if isinstance(value, str):
         names: list[str] | None = [value]
     else:
-        names = list(value) if isinstance(value, list | tuple) and value else None
+        names = list(value) if isinstance(value, list | tuple) else None
     fix = "lock_key=None (every argument)" if names is None else f"lock_key={names!r}"
-    return f"celery-singleton, which SingletonTask does not read: write {fix} instead"
+    return (
+        f"celery-singleton, which SingletonTask does not read: write {fix} instead, or use "
+        "base=celery_dlock.compat.Singleton, which reads it"
+    )
 
 
 def _raise_on_duplicate(value: Any) -> str:
     return (
         "celery-singleton, which SingletonTask does not read: a duplicate .delay() cannot "
         "raise here; with lock_on='enqueue' compare the id you get back (the delay_once "
-        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker"
+        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker, or use "
+        "base=celery_dlock.compat.Singleton, which reads it"
     )
 
 
@@ -114,7 +119,7 @@ def _lock_expiry(value: Any) -> str:
     return (
         "celery-singleton, which SingletonTask does not read: write lock_queued_ttl= for the "
         "time a message waits in the queue and lock_ttl= for the lease while it runs (renewed, "
-        "so it need not cover the run)"
+        "so it need not cover the run), or use base=celery_dlock.compat.Singleton, which reads it"
     )
 
 
@@ -131,7 +136,8 @@ def _once(value: Any) -> str:
     return (
         "celery-once, which SingletonTask does not read: write "
         f"@app.task(base=SingletonTask, {', '.join(parts)}) instead, per task (a duplicate "
-        f"gets the queued task's result, as with graceful=True){extra}"
+        f"gets the queued task's result, as with graceful=True){extra}, or use "
+        "base=celery_dlock.compat.QueueOnce, which reads it"
     )
 
 
@@ -263,6 +269,7 @@ class SingletonTask(_TaskBase):
         duplicate_of = getattr(request, HEADER_DUPLICATE_OF, None)
         if duplicate_of:
             return self._drop_marked(key, duplicate_of)
+        key = self._execution_key(key, request)
         run = interrupt.start() if self.on_lock_lost == "raise" else None
         lease: Lease | None = None
         try:
@@ -320,6 +327,21 @@ class SingletonTask(_TaskBase):
         finally:
             if run is not None:
                 interrupt.stop(run)
+
+    def _execution_key(self, key: str, request: Any) -> str:
+        """The key the execution holds while its body runs: the call's own key. A subclass
+        may run the body under another key (celery-once's ``unlock_before_run``)."""
+        return key
+
+    def _lock_manager(self) -> LockManager:
+        """The lock manager of this task's nodes: the app's ``dlock_*`` settings. A subclass
+        may read its nodes from elsewhere (the compat classes read the peers' settings)."""
+        return manager_for(self.app)
+
+    def _queued_ttl(self, options: Mapping[str, Any]) -> float:
+        """Seconds a queued message's lock lives (enqueue-time mode), before any countdown;
+        ``options`` are the publish's. A subclass may read it per call (celery-once)."""
+        return float(self.lock_queued_ttl)
 
     def _finished(self, task_id: str) -> bool:
         """Whether the result backend holds a final state for ``task_id`` (False if unknown)."""
@@ -652,7 +674,7 @@ def send_queue_lock(
         return None
     if _running_lease(task, key, task_id) is not None:
         return None
-    ttl = task.lock_queued_ttl + _delay_of(options)
+    ttl = task._queued_ttl(options) + _delay_of(options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
     if pending is None:
         return None
@@ -712,7 +734,7 @@ def queue_lock(
     acquisition, already sent.
     """
     manager = task._dlock().manager
-    ttl = task.lock_queued_ttl + _delay_of(options)
+    ttl = task._queued_ttl(options) + _delay_of(options)
     running = None if early is not None else _running_lease(task, key, task_id)
     if running is not None:  # a retry of the running execution: the key goes with the message
         token = manager.hand_over(running, ttl)
@@ -852,7 +874,7 @@ class _Resolved:
     """A task's lock settings with the app's ``dlock_*`` settings applied; made on first use."""
 
     def __init__(self, task: SingletonTask) -> None:
-        self.manager: LockManager = manager_for(task.app)
+        self.manager: LockManager = task._lock_manager()
         self.ttl = task.lock_ttl if task.lock_ttl is not None else self.manager.settings.ttl
         self.keys = KeyBuilder(task.name, task.run, task.lock_key)
         self._task = task

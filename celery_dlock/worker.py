@@ -79,7 +79,7 @@ def release_revoked(
         manager = sender._dlock().manager
         what = f"terminated task {sender.name}[{request.id}]"
         if terminated:
-            _release_when_ended(manager, key, request.id, what)
+            _release_when_ended(manager, sender._execution_key(key, None), request.id, what)
         queued = getattr(request, HEADER_QUEUED, None)
         if isinstance(queued, str) and manager.release_token(key, queued):
             # Messages of older versions carry 1, not a token: their queued lock expires.

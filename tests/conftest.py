@@ -17,7 +17,7 @@ from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.clients import client, close_all
 
-pytest_plugins = ("tests.celery_fixtures",)
+pytest_plugins = ("tests.celery_fixtures", "tests.compat_fixtures")
 
 EXTERNAL = [u for u in os.environ.get("DLOCK_TEST_REDIS_URLS", "").split(",") if u.strip()]
 

@@ -235,7 +235,7 @@ def test_lock_errors_keep_their_fields_through_every_result_serializer(serialize
     [
         ({"unique_on": ["source"]}, "write lock_key=['source'] instead"),
         ({"unique_on": "source"}, "write lock_key=['source'] instead"),
-        ({"unique_on": []}, "write lock_key=None (every argument) instead"),
+        ({"unique_on": []}, "write lock_key=[] instead"),
         ({"raise_on_duplicate": True}, "on_duplicate='raise'"),
         ({"lock_expiry": 60}, "write lock_queued_ttl="),
         (

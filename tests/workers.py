@@ -104,8 +104,10 @@ class Worker:
         pool: str = "prefork",
         concurrency: int = 4,
         queue: str | None = None,
+        app: str = "tests.worker_app",
     ) -> None:
         self.env = env
+        self.app = app
         self.queue = queue
         self.journal = journal
         self.name = name
@@ -120,7 +122,7 @@ class Worker:
 
     def start(self, timeout: float = 30) -> Worker:
         args = [
-            sys.executable, "-m", "celery", "-A", "tests.worker_app", "worker",
+            sys.executable, "-m", "celery", "-A", self.app, "worker",
             "-P", self.pool, "-c", str(self.concurrency), "-n", self.hostname,
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-l", "INFO", "--logfile", str(self.logfile),
