@@ -177,7 +177,10 @@ def test_deleting_the_key_stops_the_body_with_lock_lost(
 def test_enqueue_mode_returns_the_queued_task_to_duplicates(
     wa: Any, worker: Worker, journal: Journal
 ) -> None:
-    results = submit_concurrently(wa.enqueued.delay, [(("queued", 1.5), {})] * 50)
+    # 25 callers at once, each opening its own connections to every node: with 50 on a loaded
+    # 2-vCPU machine some connects outlived the 0.5 s node timeout (the call is then published
+    # without its queued lock, as documented), which is not what this test is about.
+    results = submit_concurrently(wa.enqueued.delay, [(("queued", 1.5), {})] * 25)
     assert len({r.id for r in results}) == 1
     by_name = wa.app.send_task("tests.worker_app.enqueued", ("queued", 1.5))
     assert by_name.id != results[0].id
