@@ -45,7 +45,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_dlock import endpoints, forks, scripts
+from celery_dlock import diagnose, endpoints, forks, scripts
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:  # redis-py's own serializer wraps this C packer in Python that costs more than it does
@@ -349,6 +349,9 @@ class ClusterNode(Node):
                     try:
                         self._cluster = self.endpoint.client(self.timeout)
                     except (RedisError, RedisClusterException, OSError) as exc:
+                        refused = diagnose.refusal(exc)
+                        if isinstance(refused, RedisError):  # an ACL user lacks a grant
+                            raise refused from exc
                         raise RedisConnectionError(f"cannot reach the cluster: {exc}") from exc
                 client = self._cluster
         return client
