@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 if TYPE_CHECKING:
     from celery_dlock.transport import SentinelNode
@@ -33,8 +33,10 @@ log = logging.getLogger("celery_dlock.failover")
 CHANNEL = "+switch-master"
 #: Longest wait for one announcement before the listener checks whether it should stop.
 LISTEN_TICK = 1.0
-#: Pause before subscribing again to a sentinel that failed or closed the subscription.
-RESUBSCRIBE_PAUSE = 0.5
+#: Pause before subscribing again to a sentinel that closed the subscription; doubled after
+#: each failure in a row, up to RESUBSCRIBE_MAX.
+RESUBSCRIBE_PAUSE = 0.25
+RESUBSCRIBE_MAX = 10.0
 
 
 class SwitchWatch:
@@ -45,11 +47,10 @@ class SwitchWatch:
         self._manager = sentinel_manager  # redis.sentinel.Sentinel: its .sentinels are clients
         self._stop = threading.Event()
         for client in list(sentinel_manager.sentinels):
-            kwargs = client.connection_pool.connection_kwargs
             threading.Thread(
                 target=self._listen,
                 args=(client,),
-                name=f"dlock-sentinel-{kwargs.get('host')}:{kwargs.get('port')}",
+                name=f"dlock-sentinel-{_address(client)}",
                 daemon=True,
             ).start()
 
@@ -57,22 +58,41 @@ class SwitchWatch:
         self._stop.set()
 
     def _listen(self, client: Any) -> None:
+        failures = 0
+        warned = False
         while not self._stop.is_set():
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(CHANNEL)
+                failures = 0
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=LISTEN_TICK)
                     if message is not None and message.get("type") == "message":
                         self._heard(client, message["data"])
+            except ResponseError as exc:  # refused (an ACL user without +subscribe)
+                failures += 1
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "%s: sentinel %s refuses to let this client subscribe to %s (%s); "
+                        "a failover is noticed only when the old master refuses writes or "
+                        "closes the connection: grant the sentinel user +subscribe &%s",
+                        self._node.shown,
+                        _address(client),
+                        CHANNEL,
+                        exc,
+                        CHANNEL,
+                    )
             except (RedisError, OSError) as exc:
-                log.debug("sentinel subscription lost: %s", exc)
+                failures += 1
+                log.debug("subscription to sentinel %s lost: %s", _address(client), exc)
             except Exception:  # never let a listener die silently
+                failures += 1
                 log.exception("sentinel listener failed")
             finally:
                 with contextlib.suppress(Exception):
                     pubsub.close()
-            self._stop.wait(RESUBSCRIBE_PAUSE)
+            self._stop.wait(min(RESUBSCRIBE_PAUSE * 2 ** min(failures, 8), RESUBSCRIBE_MAX))
 
     def _heard(self, client: Any, data: Any) -> None:
         text = data.decode() if isinstance(data, bytes) else str(data)
@@ -85,3 +105,8 @@ class SwitchWatch:
         if client in sentinels:
             sentinels[:] = [client, *(s for s in sentinels if s is not client)]
         self._node.switched_to((parts[3], int(parts[4])))
+
+
+def _address(client: Any) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{kwargs.get('host')}:{kwargs.get('port')}"

@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -360,6 +361,8 @@ def test_the_documented_acl_line_works_on_a_cluster(
     docs/topologies.md; a user without a Cluster grant is told which and how to grant it."""
     from tests.test_tls_acl import exercise
 
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "topologies.md").read_text()
+    assert f"ACL SETUSER dlock on >PASSWORD -@all {acl_rules(cluster=True)}\n" in docs
     seed = set_cluster_user(cluster, "dlock", acl_rules(cluster=True))
     exercise([seed], "acl-cluster", ttl=1.0)  # acquire, renew, wait and wake, list, release
 
