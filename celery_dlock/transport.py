@@ -820,9 +820,10 @@ def tracking() -> bool:
 
 def _after_fork() -> None:
     """The parent's connections and their unconfirmed commands are the parent's."""
-    global _tracked, _tracked_lock, _any_tracked
+    global _tracked, _tracked_lock, _any_tracked, _watch_lock
     _tracked = weakref.WeakSet()
     _tracked_lock = threading.Lock()
+    _watch_lock = threading.Lock()  # another thread may have held it at the fork
     _any_tracked = False
     _orphans.clear()
 
