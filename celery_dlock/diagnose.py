@@ -33,9 +33,30 @@ ACL_COMMANDS = (
 )
 
 
-def acl_rules(prefix: str = "dlock") -> str:
-    """The ACL rules that let a user take locks under ``prefix`` (the ``dlock_prefix``)."""
-    return " ".join([f"~{prefix}:*", *(f"+{command}" for command in ACL_COMMANDS)])
+#: What a Redis Cluster user needs on top: redis-py's ``RedisCluster`` reads the slot map
+#: (``CLUSTER SLOTS``) and the command table (``COMMAND``) when it starts.
+CLUSTER_ACL_COMMANDS = ("cluster|slots", "command")
+
+
+def acl_rules(prefix: str = "dlock", *, cluster: bool = False) -> str:
+    """The ACL rules that let a user take locks under ``prefix`` (the ``dlock_prefix``), on a
+    Redis Cluster with ``cluster=True``."""
+    commands = ACL_COMMANDS + (CLUSTER_ACL_COMMANDS if cluster else ())
+    return " ".join([f"~{prefix}:*", *(f"+{command}" for command in commands)])
+
+
+def refusal(exc: BaseException) -> BaseException | None:
+    """The ACL refusal behind ``exc``, if any: redis-py's ``RedisCluster`` turns a refused
+    ``CLUSTER SLOTS`` into "Cluster mode is not enabled on this node", keeping the refusal
+    only in the exception chain."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return None
+        if isinstance(seen, NoPermissionError) or "NOPERM" in str(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 #: Hints for TLS failures, by a fragment of the error text. An ``rediss://`` node:
@@ -82,6 +103,7 @@ _PLAIN_HINTS = (
 
 def describe(exc: BaseException, node: Node | None = None) -> str:
     """One node's failure as ``ExceptionType: what it means`` (never a password)."""
+    exc = refusal(exc) or exc
     text = str(exc)
     if "HELLO must be called" in text or "NOAUTH" in text:
         text = (
@@ -112,10 +134,12 @@ def describe(exc: BaseException, node: Node | None = None) -> str:
 def _permission(text: str, node: Node | None) -> str:
     user = "default"
     prefix = "dlock"
+    cluster = False
     if node is not None:
         user = node.endpoint.options.get("username") or "default"
         prefix = node.prefix
+        cluster = node.endpoint.kind == "cluster"
     return (
         f"ACL user {user!r} may not run a command or use a key that celery_dlock needs "
-        f"({text}); grant them with: ACL SETUSER {user} {acl_rules(prefix)}"
+        f"({text}); grant them with: ACL SETUSER {user} {acl_rules(prefix, cluster=cluster)}"
     )

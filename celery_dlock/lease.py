@@ -72,6 +72,8 @@ class Lease:
         self.io_lock = threading.Lock()
         self.next_renewal = started + renew_interval if renew_interval else deadline
         self.renewals = 0
+        #: Set when the lease's node announced a new master: renew again at once.
+        self.hurried = False
         #: Indices of nodes sent a command for this lease that never answered it: they may
         #: still run it late, so the release owes them a void (LockManager.release).
         self._silent: frozenset[int] | None = None

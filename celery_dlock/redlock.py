@@ -40,7 +40,7 @@ from celery_dlock.config import (
     drift,
     quorum,
 )
-from celery_dlock.diagnose import describe
+from celery_dlock.diagnose import describe, refusal
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.holder import Holder, head_token, parse_value, value_head
 from celery_dlock.janitor import janitor
@@ -816,21 +816,23 @@ class LockManager:
         start = len(self.settings.prefix) + 2
         found: set[str] = set()
         for node in self.nodes:
-            client = node.endpoint.client(max(node.timeout, 1.0))  # SCAN is slower than a lock
+            client = None
             try:
+                client = node.endpoint.client(max(node.timeout, 1.0))  # SCAN: slower than a lock
                 for raw in client.scan_iter(match=pattern, count=500):
                     name = raw.decode() if isinstance(raw, bytes) else str(raw)
                     found.add(name[start:-1])
             except (RedisError, RedisClusterException) as exc:
                 # A down node does not stop a Redlock listing; a refusal (ACL) would hide keys.
-                if not self.redlock or isinstance(exc, ResponseError):
+                if not self.redlock or isinstance(exc, ResponseError) or refusal(exc):
                     raise LockUnavailable(
                         f"cannot list locks on {node.shown}: {describe(exc, node)}",
                         key=prefix,
                         errors=[(node.shown, describe(exc, node))],
                     ) from exc
             finally:
-                client.close()
+                if client is not None:
+                    client.close()
         return [self.inspect(key) for key in sorted(found)]
 
     def force_release(self, key: str, holder: Holder) -> bool:

@@ -17,12 +17,13 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from celery_dlock import forks
+from celery_dlock import forks, transport
 from celery_dlock.transport import background
 
 if TYPE_CHECKING:
     from celery_dlock.lease import Lease
     from celery_dlock.redlock import LockManager
+    from celery_dlock.transport import Node
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -66,6 +67,19 @@ class Watchdog:
                 # Only a lease due before the thread's next look needs waking it: most
                 # acquisitions are not, and a needless wake-up costs a GIL hand-off each.
                 self._cond.notify()
+
+    def hurry(self, node: Node) -> None:
+        """Renew every lease held on ``node`` now: its sentinels announced a new master, and
+        the new master's copies of the keys expire unless renewed there. A renewal already
+        under way (perhaps on the old master) is followed by another at once."""
+        self._fork_check()
+        now = time.monotonic()
+        with self._cond:
+            for lease in self._leases:
+                if lease.renew_interval is not None and node in lease._manager.nodes:
+                    lease.hurried = True
+                    lease.next_renewal = min(lease.next_renewal, now)
+            self._cond.notify()
 
     def discard(self, lease: Lease) -> None:
         self._fork_check()
@@ -132,6 +146,8 @@ class Watchdog:
             live = [lease for lease in held if not lease.released]
             if not live:
                 return
+            for lease in live:
+                lease.hurried = False
             outcomes = manager.renew(live)
         finally:
             for lease in held:
@@ -140,6 +156,8 @@ class Watchdog:
         for lease, reason in zip(live, outcomes, strict=True):
             if reason is not None:
                 self._lose(lease, reason)
+            elif lease.hurried:  # the master changed while this renewal was under way
+                lease.next_renewal = now
             elif lease.next_renewal <= now and lease.renew_interval is not None:
                 # Undecided (nodes silent): try again soon, until the validity runs out.
                 lease.next_renewal = min(
@@ -165,3 +183,4 @@ def _slack(lease: Lease) -> float:
 
 
 watchdog = Watchdog()
+transport.switch_hooks.append(watchdog.hurry)

@@ -45,7 +45,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_dlock import endpoints, forks, scripts
+from celery_dlock import diagnose, endpoints, forks, scripts
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:  # redis-py's own serializer wraps this C packer in Python that costs more than it does
@@ -74,6 +74,8 @@ class Node:
     cluster = False
     #: The cluster a :class:`Shard` belongs to (None for a plain node).
     owner: ClusterNode | None = None
+    #: True for a :class:`SentinelNode`: its master can change under open connections.
+    watched = False
 
     def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
         self.url = url
@@ -150,6 +152,127 @@ class Node:
         """The node that holds ``key``: this one (a :class:`ClusterNode` picks its shard)."""
         return self
 
+    def switched(self, conn: Connection) -> bool:
+        """True if ``conn`` reaches a server its sentinels no longer call master."""
+        return False
+
+
+#: Hear Sentinel's ``+switch-master`` announcements (:mod:`celery_dlock.failover`); tests turn
+#: it off to show what the other failover signals (``READONLY``, closed connections) do alone.
+HEAR_SWITCHES = True
+#: Called with a :class:`SentinelNode` when its sentinels announce a new master (the renewal
+#: watchdog renews that node's leases at once).
+switch_hooks: list[Callable[[Node], None]] = []
+
+
+class SentinelNode(Node):
+    """The master of a Sentinel-managed group, which can change while connections are open.
+
+    Each process listens for the sentinels' ``+switch-master`` announcements
+    (:class:`celery_dlock.failover.SwitchWatch`). Once one names a new master, a connection to
+    any other address is dropped before its next command and opened again through the
+    sentinels; one that the sentinels still send elsewhere (a sentinel lagging behind the
+    announcement) fails, unsent, rather than act on the old master. A script refused with
+    ``READONLY`` (a master demoted by ``REPLICAOF`` keeps its clients) also drops the
+    connection and asks the sentinels again (:func:`run_script`).
+    """
+
+    watched = True
+
+    def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
+        super().__init__(url, timeout, prefix)
+        self.service = self.endpoint.service
+        #: The master address last announced by a sentinel; None until one is.
+        self.announced: tuple[str, int] | None = None
+        self._watch: Any = None
+        self._watch_pid = 0
+
+    def __repr__(self) -> str:
+        return f"<SentinelNode {self.shown}>"
+
+    def connection(self, purpose: str = "cmd") -> Connection:
+        if self._watch_pid != forks.pid():
+            self._start_watch()
+        return super().connection(purpose)
+
+    def _start_watch(self) -> None:
+        from celery_dlock.failover import SwitchWatch
+
+        with _watch_lock:
+            if self._watch_pid == forks.pid():
+                return
+            self._watch_pid = forks.pid()
+            if HEAR_SWITCHES:
+                manager = cast(Any, self.client.connection_pool).sentinel_manager
+                self._watch = SwitchWatch(self, manager)
+
+    def switched_to(self, address: tuple[str, int]) -> None:
+        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`)."""
+        if address == self.announced:
+            return  # every sentinel announces the same switch
+        self.announced = address
+        log.warning(
+            "%s: the sentinels announced a new master, %s:%d; connections to any other "
+            "address are dropped before their next command",
+            self.shown,
+            *address,
+        )
+        for hook in switch_hooks:
+            try:
+                hook(self)
+            except Exception:
+                log.exception("switch hook %r failed", hook)
+
+    def switched(self, conn: Connection) -> bool:
+        announced = self.announced
+        return (
+            announced is not None
+            and getattr(conn, "_sock", None) is not None
+            and (conn.host, conn.port) != announced
+        )
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+            self._watch_pid = 0
+        super().close()
+
+
+_watch_lock = threading.Lock()
+
+
+class MasterSwitched(RedisConnectionError):
+    """A Sentinel node's connection reached a server its sentinels no longer call master (a
+    sentinel behind the announcement named it again, or it answered ``READONLY``): nothing
+    was sent there."""
+
+    dlock_unsent = True
+
+
+def _demoted(reply: Reply) -> bool:
+    """True for a reply that says the server is no longer a master: redis-py's own conversion
+    of ``READONLY`` (Redis 7) or the ``ResponseError`` a script gets on Redis 6.2."""
+    if isinstance(reply, ResponseError):
+        return "READONLY" in str(reply)
+    return isinstance(reply, RedisConnectionError) and "now a slave" in str(reply)
+
+
+def _connect(node: Node, conn: Connection) -> None:
+    """``conn.connect()``, refusing a Sentinel node's connection to a master since replaced."""
+    conn.connect()
+    if node.watched and node.switched(conn):
+        conn.disconnect()
+        raise MasterSwitched(
+            f"{node.shown}: a sentinel still names {conn.host}:{conn.port}, but another "
+            "master was announced; not sending there"
+        )
+
+
+def _reconnect(node: Node, conn: Connection) -> None:
+    conn.disconnect()
+    _connect(node, conn)
+
 
 class CoolingDown(RedisConnectionError):
     """A node skipped during its cool-down: nothing was sent to it."""
@@ -165,8 +288,11 @@ def unsent(reply: Reply) -> bool:
 
 def node_for(url: str, timeout: float, prefix: str = "dlock") -> Node:
     """The lock node for one ``dlock_urls`` entry: a :class:`ClusterNode` for a Cluster URL."""
-    if endpoints.parse(url).kind == "cluster":
+    kind = endpoints.parse(url).kind
+    if kind == "cluster":
         return ClusterNode(url, timeout, prefix)
+    if kind == "sentinel":
+        return SentinelNode(url, timeout, prefix)
     return Node(url, timeout, prefix)
 
 
@@ -223,6 +349,9 @@ class ClusterNode(Node):
                     try:
                         self._cluster = self.endpoint.client(self.timeout)
                     except (RedisError, RedisClusterException, OSError) as exc:
+                        refused = diagnose.refusal(exc)
+                        if isinstance(refused, RedisError):  # an ACL user lacks a grant
+                            raise refused from exc
                         raise RedisConnectionError(f"cannot reach the cluster: {exc}") from exc
                 client = self._cluster
         return client
@@ -415,14 +544,14 @@ def _connect_all(
     if len(todo) == 1:
         i = todo[0]
         try:
-            conns[i].connect()
+            _connect(nodes[i], conns[i])
         except (RedisError, OSError) as exc:
             exc.dlock_unsent = True  # type: ignore[union-attr]
             replies[i] = exc
         return
     pool = _connector.get()
     begun = time.monotonic()
-    futures = {i: pool.submit(conns[i].connect) for i in todo}
+    futures = {i: pool.submit(_connect, nodes[i], conns[i]) for i in todo}
     for i, future in futures.items():
         try:
             failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
@@ -504,11 +633,15 @@ def run_script(
     script = nodes[0].scripts[name]
     packed = _pack(conns[todo[0]], ("EVALSHA", script.sha, len(keys), *keys, *args))
     _exchange(nodes, conns, todo, packed, timeout, replies)
-    forgot = [i for i in todo if isinstance(replies[i], NoScriptError)]
-    if forgot:
-        log.info("script %s not cached on %d node(s); sending its source", name, len(forgot))
-        packed = _pack(conns[forgot[0]], ("EVAL", script.script, len(keys), *keys, *args))
-        _exchange(nodes, conns, forgot, packed, timeout, replies)
+    _send_source(nodes, conns, todo, script, keys, args, timeout, replies)
+    demoted = [i for i in todo if nodes[i].watched and _demoted(replies[i])]
+    if demoted:
+        _ask_again(nodes, conns, demoted, packed, timeout, replies)
+        _send_source(nodes, conns, demoted, script, keys, args, timeout, replies)
+        for i in demoted:
+            if _demoted(replies[i]):  # the sentinels still name a replica: nothing was done
+                conns[i].disconnect()
+                replies[i] = MasterSwitched(f"{nodes[i].shown}: the master is a replica now")
     if several:
         for i in todo:
             if isinstance(replies[i], RedisConnectionError | RedisTimeoutError | OSError):
@@ -516,6 +649,50 @@ def run_script(
             elif nodes[i]._down_until:
                 nodes[i]._down_until = 0.0  # it answered: its cool-down is over
     return replies
+
+
+def _ask_again(
+    nodes: Sequence[Node],
+    conns: Sequence[Connection],
+    demoted: Sequence[int],
+    packed: Any,
+    timeout: float,
+    replies: list[Reply],
+) -> None:
+    """Send ``packed`` once more to Sentinel nodes whose server said it is a replica now
+    (``READONLY``), on connections opened afresh through the sentinels."""
+    for i in demoted:
+        log.warning(
+            "%s: %s:%s is no longer the master (%s); asking the sentinels again",
+            nodes[i].shown,
+            conns[i].host,
+            conns[i].port,
+            replies[i],
+        )
+        conns[i].disconnect()
+        replies[i] = _PENDING
+    _connect_all(nodes, conns, replies, timeout)
+    again = [i for i in demoted if replies[i] is _PENDING]
+    if again:
+        _exchange(nodes, conns, again, packed, timeout, replies)
+
+
+def _send_source(
+    nodes: Sequence[Node],
+    conns: Sequence[Connection],
+    todo: Sequence[int],
+    script: Script,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    timeout: float,
+    replies: list[Reply],
+) -> None:
+    """Send the script's source to the nodes in ``todo`` that answered ``NOSCRIPT``."""
+    forgot = [i for i in todo if isinstance(replies[i], NoScriptError)]
+    if forgot:
+        log.info("script not cached on %d node(s); sending its source", len(forgot))
+        packed = _pack(conns[forgot[0]], ("EVAL", script.script, len(keys), *keys, *args))
+        _exchange(nodes, conns, forgot, packed, timeout, replies)
 
 
 def send_script(
@@ -643,9 +820,10 @@ def tracking() -> bool:
 
 def _after_fork() -> None:
     """The parent's connections and their unconfirmed commands are the parent's."""
-    global _tracked, _tracked_lock, _any_tracked
+    global _tracked, _tracked_lock, _any_tracked, _watch_lock
     _tracked = weakref.WeakSet()
     _tracked_lock = threading.Lock()
+    _watch_lock = threading.Lock()  # another thread may have held it at the fork
     _any_tracked = False
     _orphans.clear()
 
@@ -665,12 +843,11 @@ def _prepare(node: Node, conn: Connection) -> None:
     server (a zero-timeout poll, no round trip), and what may have been lost with an earlier
     socket sent again ahead of the command."""
     if not is_connected(conn):
-        conn.connect()
+        _connect(node, conn)
     if getattr(conn, "_dlock_owed", None):
         _drain(node, conn)
-    if _stale(conn):
-        conn.disconnect()
-        conn.connect()
+    if _stale(conn) or (node.watched and node.switched(conn)):
+        _reconnect(node, conn)
     sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
     if sent and sent[0][1] is not conn._sock:
         _resend_lost(node, conn)
@@ -978,11 +1155,13 @@ def _exchange(
         for i in todo:
             conn = conns[i]
             try:
-                if (i in stale) if stale is not None else _stale(conn):
+                if ((i in stale) if stale is not None else _stale(conn)) or (
+                    nodes[i].watched and nodes[i].switched(conn)
+                ):
                     # Readable before we asked: the server closed the connection (restart,
-                    # idle timeout). Reconnect rather than fail this call.
-                    conn.disconnect()
-                    conn.connect()
+                    # idle timeout). Or the sentinels announced another master. Reconnect
+                    # rather than fail this call.
+                    _reconnect(nodes[i], conn)
                 if tracked:
                     sent = getattr(conn, "_dlock_sent", None)
                     if sent and sent[0][1] is not conn._sock:
@@ -1036,6 +1215,11 @@ def _reply(node: Node, conn: Connection) -> Reply:
     try:
         reply = conn.read_response()
     except ResponseError as exc:  # an error reply is still a reply
+        if node.watched and _demoted(exc):
+            # A replica now: it refused what was sent before, too. Drop the connection, so
+            # that goes again (_resend_lost) to the master the sentinels name next.
+            conn.disconnect()
+            return exc
         reply = exc
     except (RedisError, OSError) as exc:
         return exc
@@ -1086,7 +1270,7 @@ def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
     """
     node = node.route(key)
     conn = node.connection("wait")
-    if is_connected(conn) and _stale(conn):
+    if is_connected(conn) and (_stale(conn) or (node.watched and node.switched(conn))):
         conn.disconnect()
     try:
         conn.send_command("BLPOP", key, f"{seconds:.3f}")

@@ -162,16 +162,35 @@ class Group:
     def fail_over(self) -> None:
         """``SENTINEL FAILOVER``, then wait until every sentinel names the replica master
         and the old master has become its replica (it drops its clients as it does)."""
+        self.switch()
+        self.wait_demoted()
+
+    def switch(self) -> None:
+        """``SENTINEL FAILOVER``; returns once every sentinel names the replica master. The
+        old master stays a writable master until Sentinel demotes it (about 10 s later)."""
         self.sentinels[0].client.execute_command("SENTINEL", "FAILOVER", SERVICE)
         new = self.replica.port
         poll("the sentinels to name the new master", lambda: all(
             s.master_port() == new for s in self.sentinels
         ))  # fmt: skip
+
+    def demote_by_hand(self) -> None:
+        """What an operator does instead of waiting for Sentinel: ``REPLICAOF`` the new
+        master on the old one. Unlike Sentinel's demotion, it keeps its clients."""
+        old = redis.Redis(port=self.master.port, socket_timeout=5)
+        try:
+            old.execute_command("REPLICAOF", "127.0.0.1", str(self.replica.port))
+        finally:
+            old.close()
+
+    def wait_demoted(self, timeout: float = DEADLINE) -> None:
+        """Until the old master follows the new one."""
+        new = self.replica.port
         old = redis.Redis(port=self.master.port, socket_timeout=5, decode_responses=True)
         try:
             poll("the old master to follow the new one", lambda: (
                 old.info("replication").get("master_port") == new
-            ))  # fmt: skip
+            ), timeout)  # fmt: skip
         finally:
             old.close()
 

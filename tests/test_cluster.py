@@ -12,12 +12,14 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
 from celery_dlock import ConfigError, LockContended, LockUnavailable, lock, scripts
+from celery_dlock.diagnose import acl_rules
 from celery_dlock.holder import value_head
 from celery_dlock.redlock import LockManager, revoked_key, void_key
 from celery_dlock.registry import manager_for
@@ -25,7 +27,7 @@ from celery_dlock.testing import free_port
 from tests.celery_fixtures import Mode, with_db
 from tests.cluster import Cluster, redis_cluster
 from tests.test_cli import dlock
-from tests.workers import Journal, Worker
+from tests.workers import Beat, Journal, Worker
 
 pytestmark = pytest.mark.local_redis
 
@@ -332,3 +334,67 @@ def test_a_plain_url_for_a_cluster_node_says_to_use_redis_cluster(cluster: Clust
     plain = f"redis://127.0.0.1:{node.port}/0"
     with pytest.raises(LockUnavailable, match=r"must be redis\+cluster://"), lock([plain], key):
         pass
+
+
+# -- an ACL user with the documented rules ----------------------------------------------------
+
+ACL_PASSWORD = "cluster-acl-pw"
+
+
+def set_cluster_user(cluster: Cluster, user: str, rules: str) -> str:
+    """(Re)create ``user`` on every master, as docs/topologies.md's Cluster line does; its
+    one-seed lock URL."""
+    for server in cluster.masters:
+        admin = master_client(server.port)
+        try:
+            admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{ACL_PASSWORD}",
+                                  "-@all", *rules.split())  # fmt: skip
+        finally:
+            admin.close()
+    return f"redis+cluster://{user}:{ACL_PASSWORD}@127.0.0.1:{cluster.masters[0].port}"
+
+
+def test_the_documented_acl_line_works_on_a_cluster(
+    cluster: Cluster, wa: Any, worker: Worker, journal: Journal, mode: Mode
+) -> None:
+    """Issue 19, item 5: lock, CLI and beat as an ACL user with exactly the Cluster line of
+    docs/topologies.md; a user without a Cluster grant is told which and how to grant it."""
+    from tests.test_tls_acl import exercise
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "topologies.md").read_text()
+    assert f"ACL SETUSER dlock on >PASSWORD -@all {acl_rules(cluster=True)}\n" in docs
+    seed = set_cluster_user(cluster, "dlock", acl_rules(cluster=True))
+    exercise([seed], "acl-cluster", ttl=1.0)  # acquire, renew, wait and wake, list, release
+
+    with lock([seed], "acl-cli", ttl=10):
+        listed = dlock([seed], "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line)["key"] for line in listed.stdout.splitlines()] == ["acl-cli"]
+
+    env = {**mode.env, "DLOCK_TEST_LOCK_URLS": seed, "DLOCK_TEST_BEAT": "aclbeat:0"}
+    beat = Beat(env, name="acl-cluster", scheduler="dlock").start()
+    try:
+        starts = journal.wait_for("start", count=2, timeout=15, name="aclbeat")
+    finally:
+        beat.stop()
+    assert all(s["tick"] for s in starts), starts  # each send claimed its tick key
+    assert " is the leader " in beat.log()
+    assert ACL_PASSWORD not in beat.log()
+
+    plain = acl_rules()
+    for user, rules, refused in [
+        ("plain", plain, "'cluster'"),  # the line for one Redis: no CLUSTER SLOTS
+        ("nocommand", f"{plain} +cluster|slots", "'command'"),
+    ]:
+        url = set_cluster_user(cluster, user, rules)
+        with pytest.raises(LockUnavailable) as info, lock([url], "k"):
+            pass
+        text = str(info.value)
+        assert f"NoPermissionError: ACL user {user!r} may not run" in text, text
+        assert f"no permissions to run the {refused} command" in text, text
+        assert text.endswith(f"grant them with: ACL SETUSER {user} {acl_rules(cluster=True)})")
+        assert "Cluster mode is not enabled" not in text
+    refused_cli = dlock([url], "list")  # the operator command says it too
+    assert refused_cli.returncode == 1
+    assert "ACL user 'nocommand' may not run" in refused_cli.stderr, refused_cli.stderr
+    assert "Traceback" not in refused_cli.stderr

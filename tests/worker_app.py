@@ -25,7 +25,10 @@ app = Celery(
     backend=os.environ.get("DLOCK_TEST_BACKEND", "redis://127.0.0.1:6379/1"),
 )
 app.conf.update(
-    dlock_urls=os.environ.get("DLOCK_TEST_LOCK_URLS", "redis://127.0.0.1:6379/2").split(","),
+    # DLOCK_TEST_LOCK_URL: one URL that may hold commas (Sentinel's host list).
+    dlock_urls=[os.environ["DLOCK_TEST_LOCK_URL"]]
+    if os.environ.get("DLOCK_TEST_LOCK_URL")
+    else os.environ.get("DLOCK_TEST_LOCK_URLS", "redis://127.0.0.1:6379/2").split(","),
     dlock_node_timeout=0.5,
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
@@ -234,6 +237,13 @@ def rejecting(self: Any, name: str) -> None:
 
 @app.task(base=SingletonTask, bind=True, lock_ttl=0.6, lock_max_hold=1.0)
 def bounded(self: Any, name: str, secs: float = 5.0) -> str:
+    _body(self, name, secs)
+    return name
+
+
+@app.task(base=SingletonTask, bind=True, lock_key="failover:{name}", lock_ttl=9)
+def failover_task(self: Any, name: str, secs: float = 14.0) -> str:
+    """A long body under a lease longer than Sentinel's failover (tests/test_failover.py)."""
     _body(self, name, secs)
     return name
 
