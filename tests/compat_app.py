@@ -207,3 +207,21 @@ def short_lived(self: Any, a: int, secs: float) -> int:
 def once_short_lived(self: Any, a: int, secs: float) -> int:
     _body(self, f"once-short-{a}", secs)
     return a
+
+
+# -- a migrating team's calls (tests/test_compat_migration.py) ---------------------------------
+
+
+@app.task(shared=False, base=Singleton, bind=True, raise_on_duplicate=True)
+def raising_work(self: Any, a: int, secs: float) -> int:
+    _body(self, f"singleton-raising-{a}", secs)
+    return a
+
+
+@app.task(shared=False)
+def fan_out(name: str, a: int, secs: float) -> str:
+    """A plain task that publishes a compat task, as a dispatcher (or a beat job) does: the
+    compat class's exception, if any, is this task's failure."""
+    if name == "once":
+        return str(once_work.delay(a, a, secs).id)
+    return str(raising_work.delay(a, secs).id)

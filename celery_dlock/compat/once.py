@@ -19,7 +19,7 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.compat.singleton import check_argument_names
+from celery_dlock.compat.singleton import check_argument_names, eager_holder
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.redlock import LockManager
@@ -40,7 +40,13 @@ class AlreadyQueued(Exception):
     def __init__(self, countdown: float) -> None:
         self.message = f"Expires in {countdown} seconds"
         self.countdown = countdown
-        super().__init__(self.message)
+        # args=(countdown,) as celery-once's: a result backend rebuilds the exception from its
+        # args (``AlreadyQueued(*args)``), so a task that failed with it gives its caller the
+        # countdown back as a number.
+        super().__init__(countdown)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def once_settings(conf: Any) -> Mapping[str, Any]:
@@ -236,11 +242,12 @@ class QueueOnce(SingletonTask):
         _call.timeout = once.get("timeout")
         try:
             while True:
-                result = super().apply_async(
-                    args, kwargs, task_id, producer, link, link_error, shadow, **options
-                )
-                if result.id == task_id:
-                    return result
+                if eager_holder(self, args, kwargs, options) is None:
+                    result = super().apply_async(
+                        args, kwargs, task_id, producer, link, link_error, shadow, **options
+                    )
+                    if result.id == task_id:
+                        return result
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 # Blocking mode: look again until the key frees or the wait runs out.

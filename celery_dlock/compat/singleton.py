@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from celery.utils import uuid
 
 from celery_dlock.config import check_seconds, settings_from_app
-from celery_dlock.errors import ConfigError
+from celery_dlock.errors import ConfigError, LockUnavailable
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for, manager_for_settings
 from celery_dlock.task import PEER_OPTIONS, SingletonTask
@@ -32,8 +32,15 @@ class DuplicateTaskError(Exception):
     """A duplicate was published with ``raise_on_duplicate``: ``task_id`` holds the key."""
 
     def __init__(self, message: str, task_id: str) -> None:
-        super().__init__(message)
+        # Both in args: a result backend (or the prefork pool) rebuilds the exception from
+        # them (``DuplicateTaskError(*args)``); celery-singleton's, with the message alone,
+        # cannot be rebuilt, and its caller gets an UnpickleableExceptionWrapper.
+        super().__init__(message, task_id)
+        self.message = message
         self.task_id = task_id
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class SingletonConfig:
@@ -89,6 +96,28 @@ class SingletonConfig:
                 "by celery_dlock.compat.Singleton: put connection options in the URL "
                 "(rediss:// for TLS, user:password@ for ACLs) and timeouts in dlock_node_timeout."
             )
+
+
+def eager_holder(
+    task: SingletonTask, args: Any, kwargs: Any, options: Mapping[str, Any]
+) -> str | None:
+    """Under ``task_always_eager``: the id of the task holding the call's key, else None.
+
+    The peers lock in ``apply_async`` even when Celery runs the task eagerly, so a held key
+    makes an eager ``.delay()`` a duplicate (``AlreadyQueued``, ``DuplicateTaskError``, the
+    holder's result) as in production. ``SingletonTask`` takes no queued lock under eager
+    mode, and its eager run would find the key held and finish at once with a drop result,
+    in state ``SUCCESS``. A key held by no task, or Redis unreachable: None (the run's own
+    lock decides, as for a publish).
+    """
+    if not task.app.conf.task_always_eager:
+        return None
+    key = task._wire_key(args, kwargs, options.get("serializer"))
+    try:
+        holder = task._dlock().manager.holder(key)
+    except LockUnavailable:
+        return None
+    return None if holder is None else holder.holder
 
 
 def check_argument_names(cls: type, option: str, names: Sequence[str], where: str) -> None:
@@ -222,15 +251,18 @@ class Singleton(SingletonTask):
     ) -> Any:
         """Publish, or answer a duplicate as celery-singleton does (see :meth:`on_duplicate`)."""
         task_id = task_id or uuid()
-        result = super().apply_async(
-            args, kwargs, task_id, producer, link, link_error, shadow, **options
-        )
-        if result.id != task_id:  # merged: another task holds the key
-            hook = type(self)._duplicate_hook
-            if hook is not None:
-                return hook(self, result.id)
-            return self._answer_duplicate(result.id)
-        return result
+        holder = eager_holder(self, args, kwargs, options)
+        if holder is None:
+            result = super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+            if result.id == task_id:
+                return result
+            holder = result.id  # merged: another task holds the key
+        hook = type(self)._duplicate_hook
+        if hook is not None:
+            return hook(self, holder)
+        return self._answer_duplicate(holder)
 
     def _answer_duplicate(self, existing_task_id: str) -> Any:
         """celery-singleton's ``on_duplicate``: the holder's result, or DuplicateTaskError."""
