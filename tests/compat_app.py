@@ -225,3 +225,33 @@ def fan_out(name: str, a: int, secs: float) -> str:
     if name == "once":
         return str(once_work.delay(a, a, secs).id)
     return str(raising_work.delay(a, secs).id)
+
+
+@app.task(
+    shared=False,
+    base=Singleton,
+    bind=True,
+    raise_on_duplicate=True,
+    autoretry_for=(ExpectedTaskFail,),
+    max_retries=1,
+    default_retry_delay=0.3,
+)
+def autoretry_raising(self: Any, a: int) -> int:
+    """celery-singleton#55: autoretry_for with raise_on_duplicate (there, the retry raised
+    DuplicateTaskError and the worker died)."""
+    _body(self, f"singleton-autoretry-{a}", 0.1)
+    if self.request.retries == 0:
+        raise ExpectedTaskFail()
+    return a
+
+
+@app.task(shared=False, base=Singleton, bind=True, unique_on=[], raise_on_duplicate=True)
+def reschedules_itself(self: Any, n: int) -> int:
+    """celery-singleton#53: a task that frees its own key, queues its next run (n - 1), and
+    goes on working (1.5 s for n=2: longer than the lease's renewal interval)."""
+    _body(self, "singleton-reschedules", 0.1, n=n)
+    if n > 0:
+        self.release_lock()
+        self.apply_async((n - 1,), countdown=0.2)
+    _body(self, "singleton-reschedules-rest", 1.5 if n == 2 else 0.0, n=n)
+    return n

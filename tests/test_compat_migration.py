@@ -13,11 +13,14 @@ project makes beyond the peers' own tests and READMEs, each answered as the peer
 
 from __future__ import annotations
 
+from datetime import timedelta
 from types import ModuleType
+from typing import Any
 
 import pytest
 from celery import Celery
 
+from celery_dlock import ConfigError
 from celery_dlock.compat import AlreadyQueued, DuplicateTaskError, QueueOnce, Singleton
 from tests.workers import Journal, Worker
 
@@ -96,3 +99,144 @@ def test_eager_duplicates_are_answered_as_the_peers_answer_them(single_urls: lis
     with pytest.raises(DuplicateTaskError) as duplicate:
         raising_task.delay(1)
     assert duplicate.value.task_id == "the-holder"
+
+
+@pytest.mark.slow
+def test_autoretry_for_with_raise_on_duplicate_retries(
+    ca: ModuleType, compat_worker: Worker, compat_journal: Journal
+) -> None:
+    # celery-singleton#55: the retry went through Singleton.apply_async, met its own key and
+    # raised DuplicateTaskError; the worker died ("Unrecoverable error: TypeError").
+    result = ca.autoretry_raising.delay(7)
+    assert result.get(timeout=15) == 7
+    starts = compat_journal.select("start", name="singleton-autoretry-7")
+    assert [s["retries"] for s in starts] == [0, 1]
+    assert {s["id"] for s in starts} == {result.id}
+    assert ca.autoretry_raising.delay(7).get(timeout=15) == 7  # the key was freed
+
+
+class Account:
+    """An argument no key can hold (a model instance, say), sent with the pickle serializer."""
+
+    def __init__(self, pk: int) -> None:
+        self.pk = pk
+
+
+def test_an_unkeyable_argument_is_refused_naming_the_peers_option(
+    single_urls: list[str],
+) -> None:
+    # celery-once keys str(value), so it takes any argument; celery-singleton fails with
+    # json's TypeError. Ours refuses it at publish, naming the peer's option to use instead
+    # (it named SingletonTask's lock_key, which a compat task does not set).
+    app = eager_app(single_urls)
+    app.conf.task_always_eager = False
+
+    @app.task(base=QueueOnce, serializer="pickle", shared=False)
+    def once_task(account: Account) -> None:
+        pass
+
+    @app.task(base=Singleton, serializer="pickle", shared=False)
+    def singleton_task(account: Account) -> None:
+        pass
+
+    with pytest.raises(ConfigError, match=r"Key on other arguments with once=\{'keys': \[") as e:
+        once_task.delay(Account(1))
+    assert "argument 'account'" in str(e.value)
+    assert "lock_key" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"Key on other arguments with unique_on=\[") as e:
+        singleton_task.delay(Account(1))
+    assert "lock_key" not in str(e.value)
+
+
+def test_apply_beside_a_queued_copy_does_not_run(single_urls: list[str]) -> None:
+    # A documented difference: the peers' .apply() runs the body whatever holds the key (and
+    # deletes that key as it ends); ours does not run it beside a queued or running copy: it
+    # finishes at once with the drop result naming the holder.
+    app = eager_app(single_urls)
+    app.conf.task_always_eager = False
+    ran: list[int] = []
+
+    @app.task(base=QueueOnce, shared=False)
+    def once_task(a: int) -> int:
+        ran.append(a)
+        return a
+
+    once_task.once_backend.raise_or_lock(once_task.get_key((1,), {}), timeout=30)
+    dropped = once_task.apply((1,)).get()
+    assert ran == []
+    assert dropped["dlock_dropped"] is True
+    assert once_task.apply((2,)).get() == 2  # a free key: it runs, as with the peers
+    with pytest.raises(AlreadyQueued):  # the queued copy's key is still held
+        once_task.delay(1)
+
+
+@pytest.mark.slow
+def test_a_task_that_frees_its_own_key_goes_on_and_queues_its_next_run(
+    ca: ModuleType, compat_worker: Worker, compat_journal: Journal
+) -> None:
+    # celery-singleton#53's workaround: self.release_lock() (no arguments: unique_on=[] keys
+    # the name alone), then self.apply_async(countdown=...). With celery-singleton the body
+    # goes on and its next run is queued. Before: release_lock() raised TypeError (the
+    # arguments were bound), and once it took them, the force release stopped the body
+    # itself with LockLost at the next renewal.
+    first = ca.reschedules_itself.delay(2)
+    assert first.get(timeout=15) == 2
+    compat_journal.wait_for("end", name="singleton-reschedules-rest", n=0)
+    rest = compat_journal.select("end", name="singleton-reschedules-rest")
+    assert sorted(e["n"] for e in rest) == [0, 1, 2]
+    assert compat_journal.select("interrupted") == []
+    last = ca.reschedules_itself.delay(0)  # every run ended: the key is free
+    assert last.id != first.id
+    assert last.get(timeout=10) == 0
+
+
+def queued_ttl(task: Any, args: tuple[Any, ...]) -> float:
+    info = task._dlock().manager.inspect(task.lock_key_for(args, {}))
+    assert info.ttl_left is not None
+    return float(info.ttl_left)
+
+
+def test_lifetime_settings_in_the_forms_the_peers_take(single_urls: list[str]) -> None:
+    # celery-singleton passes lock_expiry to redis-py's SET EX, which takes a timedelta or a
+    # string of digits (a Django setting read from the environment); celery-once passes
+    # timeout to redis-py's Lock, where None means no expiry. Before: each one a ConfigError
+    # ("must be a number of seconds"), or (once={'timeout': None}) the default_timeout.
+    app = eager_app(single_urls)
+    app.conf.task_always_eager = False
+    app.conf.singleton_lock_expiry = "120"
+    app.conf.ONCE["settings"]["default_timeout"] = None
+
+    @app.task(base=Singleton, shared=False)
+    def from_setting(a: int) -> None:
+        pass
+
+    @app.task(base=Singleton, lock_expiry=timedelta(minutes=3), shared=False)
+    def from_option(a: int) -> None:
+        pass
+
+    @app.task(base=QueueOnce, shared=False)
+    def once_default(a: int) -> None:
+        pass
+
+    @app.task(base=QueueOnce, once={"timeout": None}, shared=False)
+    def once_none(a: int) -> None:
+        pass
+
+    from_setting.delay(1)
+    assert 119 < queued_ttl(from_setting, (1,)) <= 120
+    from_option.delay(1)
+    assert 179 < queued_ttl(from_option, (1,)) <= 180
+    app.conf.singleton_lock_expiry = timedelta(seconds=90)
+    from_setting.delay(2)
+    assert 89 < queued_ttl(from_setting, (2,)) <= 90
+    # celery-once's None (no expiry): a queued key lives lock_queued_ttl here.
+    assert once_default.default_timeout is None
+    once_default.delay(1)
+    assert 599 < queued_ttl(once_default, (1,)) <= 600
+    app.conf.ONCE["settings"]["default_timeout"] = 60
+    once_none.delay(1)
+    assert 599 < queued_ttl(once_none, (1,)) <= 600
+    once_default.apply_async((2,), once={"timeout": None})
+    assert 599 < queued_ttl(once_default, (2,)) <= 600
+    once_default.delay(3)
+    assert 59 < queued_ttl(once_default, (3,)) <= 60

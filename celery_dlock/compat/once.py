@@ -19,7 +19,7 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.compat.singleton import check_argument_names, eager_holder
+from celery_dlock.compat.singleton import check_argument_names, eager_holder, give_back_own
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.redlock import LockManager
@@ -120,13 +120,17 @@ class OnceBackend:
         manager.forget(lease)
 
     def clear_lock(self, key: str) -> bool:
-        """Force-release ``key``; a running holder is told it lost it. True if it was held."""
+        """Force-release ``key``; a running holder is told it lost it. True if it was held.
+        Called from the body of the task holding ``key``, it gives that key back instead (the
+        body goes on without it, as with celery-once)."""
+        if give_back_own(self.task, key):
+            return True
         manager = self.task._dlock().manager
         holder = manager.holder(key)
         return holder is not None and manager.force_release(key, holder)
 
 
-#: Per thread: the per-call ``once['timeout']`` of the publish under way.
+#: Per thread: the per-call ``once`` options of the publish under way.
 _call = threading.local()
 
 
@@ -146,6 +150,10 @@ class QueueOnce(SingletonTask):
     _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = {
         n: f for n, f in PEER_OPTIONS.items() if n != "once"
     }
+    _unkeyable_fix = (
+        "celery-once keyed it by str(value); this key needs the value itself. Key on other "
+        "arguments with once={'keys': [...]}, or pass a value such as the object's id."
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         where = f"task {getattr(cls, 'name', None) or cls.__qualname__!r}"
@@ -178,8 +186,12 @@ class QueueOnce(SingletonTask):
         return self.app.conf.get("ONCE")
 
     @property
-    def default_timeout(self) -> float:
+    def default_timeout(self) -> float | None:
+        """``ONCE['settings']['default_timeout']`` (3600 s); None as celery-once takes it (no
+        expiry there; here a queued key lives ``lock_queued_ttl``)."""
         value = once_settings(self.app.conf).get("default_timeout", DEFAULT_TIMEOUT)
+        if value is None:
+            return None
         return check_seconds("ONCE['settings']['default_timeout']", value)
 
     def unlock_before_run(self) -> bool:
@@ -193,10 +205,16 @@ class QueueOnce(SingletonTask):
         return manager_for_settings(settings_from_app(self.app, (urls, "ONCE['settings']['url']")))
 
     def _queued_ttl(self, options: Mapping[str, Any]) -> float:
-        timeout = getattr(_call, "timeout", None)
-        if timeout is None:
-            timeout = self.once.get("timeout")
-        return float(timeout) if timeout is not None else self.default_timeout
+        # As celery-once: the call's timeout, else the task's, else default_timeout, a None
+        # met on the way included (celery-once: no expiry; here lock_queued_ttl).
+        call: Mapping[str, Any] = getattr(_call, "once", None) or {}
+        if "timeout" in call:
+            timeout = call["timeout"]
+        elif "timeout" in self.once:
+            timeout = self.once["timeout"]
+        else:
+            timeout = self.default_timeout
+        return float(timeout) if timeout is not None else float(self.lock_queued_ttl)
 
     @property
     def once_backend(self) -> OnceBackend:
@@ -239,7 +257,7 @@ class QueueOnce(SingletonTask):
             wait = check_seconds("ONCE['settings']['blocking_timeout']", wait, allow_zero=True)
         deadline = None if wait is None else time.monotonic() + wait
         pause = 0.01
-        _call.timeout = once.get("timeout")
+        _call.once = once
         try:
             while True:
                 if eager_holder(self, args, kwargs, options) is None:
@@ -255,7 +273,7 @@ class QueueOnce(SingletonTask):
                 time.sleep(max(0.0, random.uniform(left / 2, left)))
                 pause = min(pause * 2, 0.5)
         finally:
-            _call.timeout = None
+            _call.once = None
         if graceful:
             return EagerResult(None, None, states.REJECTED)  # type: ignore[arg-type]
         raise AlreadyQueued(self._countdown(args, kwargs, options))

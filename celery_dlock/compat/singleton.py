@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any, ClassVar
 
 from celery.utils import uuid
@@ -74,7 +75,7 @@ class SingletonConfig:
     @property
     def lock_expiry(self) -> float | None:
         value = self.app.conf.get("singleton_lock_expiry")
-        return None if value is None else check_seconds("singleton_lock_expiry", value)
+        return None if value is None else expiry_seconds("singleton_lock_expiry", value)
 
     def check(self) -> None:
         """Refuse the settings that would need celery-singleton's own backend."""
@@ -118,6 +119,27 @@ def eager_holder(
     except LockUnavailable:
         return None
     return None if holder is None else holder.holder
+
+
+def expiry_seconds(name: str, value: Any) -> float:
+    """celery-singleton's ``lock_expiry`` in seconds: what redis-py's ``SET ... EX`` takes
+    there (an int, a string of digits such as an environment variable, a ``timedelta``), or
+    a float; else a ConfigError naming ``name``."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    elif isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return check_seconds(name, value)
+
+
+def give_back_own(task: SingletonTask, key: str) -> bool:
+    """If the execution running in this thread holds ``key``, give it back (released, not
+    lost: the body goes on) and return True."""
+    lease = task.lease
+    if lease is None or lease.key != key or lease.released:
+        return False
+    lease.give_back()
+    return True
 
 
 def check_argument_names(cls: type, option: str, names: Sequence[str], where: str) -> None:
@@ -176,6 +198,10 @@ class Singleton(SingletonTask):
 
     #: Only celery-once's options are refused here; celery-singleton's are read.
     _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = {"once": PEER_OPTIONS["once"]}
+    _unkeyable_fix = (
+        "Key on other arguments with unique_on=[...] (singleton_json_encoder_class is not "
+        "read), or pass a value such as the object's id."
+    )
     #: A subclass's own ``on_duplicate(existing_task_id)`` method, kept apart from the
     #: ``on_duplicate`` policy option of SingletonTask.
     _duplicate_hook: ClassVar[Callable[[Any, str], Any] | None] = None
@@ -195,8 +221,8 @@ class Singleton(SingletonTask):
             cls.lock_key = lock_key_of(cls.unique_on, where)
             if cls.lock_key:
                 check_argument_names(cls, f"unique_on={cls.unique_on!r}", cls.lock_key, where)
-        if cls.lock_expiry is not None:
-            check_seconds(f"{where}: lock_expiry", cls.lock_expiry)
+        if "lock_expiry" in cls.__dict__ and cls.lock_expiry is not None:
+            cls.lock_expiry = expiry_seconds(f"{where}: lock_expiry", cls.lock_expiry)
         if cls.raise_on_duplicate not in (None, True, False):
             raise ConfigError(
                 f"{where}: raise_on_duplicate={cls.raise_on_duplicate!r} must be True, False or "
@@ -282,7 +308,11 @@ class Singleton(SingletonTask):
         task_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The lock key of a call with these arguments (``task_name`` is accepted for
-        celery-singleton's signature; the key is always this task's)."""
+        celery-singleton's signature; the key is always this task's). With ``unique_on=[]``
+        the arguments are not read, as in celery-singleton: ``self.release_lock()`` with none
+        frees the task's one key."""
+        if self.lock_key == []:
+            return self._dlock().keys._named({})
         return self.lock_key_for(task_args or (), task_kwargs or {})
 
     def get_existing_task_id(self, lock: str) -> str | None:
@@ -315,7 +345,11 @@ class Singleton(SingletonTask):
 
     def unlock(self, lock: str) -> None:
         """Force-release ``lock``. A running holder is told it lost the key (and, with the
-        default ``on_lock_lost="raise"``, stopped), not left running unaware."""
+        default ``on_lock_lost="raise"``, stopped), not left running unaware. Called from the
+        body of the task holding ``lock`` (to queue its next run, celery-singleton#53), it
+        gives that key back instead: the body goes on without it, as with celery-singleton."""
+        if give_back_own(self, lock):
+            return
         manager = self._dlock().manager
         holder = manager.holder(lock)
         if holder is not None:
