@@ -240,3 +240,17 @@ def test_lifetime_settings_in_the_forms_the_peers_take(single_urls: list[str]) -
     assert 599 < queued_ttl(once_default, (2,)) <= 600
     once_default.delay(3)
     assert 59 < queued_ttl(once_default, (3,)) <= 60
+
+
+def test_a_missing_once_url_is_named_with_the_peers_setting() -> None:
+    # celery-once needs ONCE['settings']['url']; ours falls back to a Redis broker. With an
+    # AMQP broker the refusal named only dlock_urls, which a celery-once project never set.
+    app = Celery("compat_amqp", broker="amqp://guest@127.0.0.1:1//", set_as_current=False)
+    app.conf.ONCE = {"backend": "celery_once.backends.Redis", "settings": {}}
+
+    @app.task(base=QueueOnce, shared=False)
+    def once_task(a: int) -> None:
+        pass
+
+    with pytest.raises(ConfigError, match=r"ONCE\['settings'\]\['url'\] is not set \(ONCE=\{"):
+        once_task.delay(1)

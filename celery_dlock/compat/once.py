@@ -199,8 +199,17 @@ class QueueOnce(SingletonTask):
 
     def _lock_manager(self) -> LockManager:
         settings = once_settings(self.app.conf)
-        if self.app.conf.get("dlock_urls") is not None or settings.get("url") is None:
+        if self.app.conf.get("dlock_urls") is not None:
             return manager_for(self.app)
+        if settings.get("url") is None:
+            try:
+                return manager_for(self.app)  # the broker, if it is Redis
+            except ConfigError as exc:  # it names dlock_urls, which a celery-once user lacks
+                raise ConfigError(
+                    f"ONCE['settings']['url'] is not set (ONCE={self.app.conf.get('ONCE')!r}) "
+                    "and the broker cannot hold the locks: set ONCE['settings']['url'] to the "
+                    f"Redis URL celery-once used, such as 'redis://host:6379/0' ({exc})"
+                ) from None
         urls = [lock_url(settings["url"])]
         return manager_for_settings(settings_from_app(self.app, (urls, "ONCE['settings']['url']")))
 
