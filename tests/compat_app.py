@@ -255,3 +255,36 @@ def reschedules_itself(self: Any, n: int) -> int:
         self.apply_async((n - 1,), countdown=0.2)
     _body(self, "singleton-reschedules-rest", 1.5 if n == 2 else 0.0, n=n)
     return n
+
+
+# -- the peers' way to a key of one's own: overriding generate_lock / get_key -----------------
+
+
+class ByAccount(Singleton):
+    """celery-singleton: a custom key by overriding ``generate_lock`` (the account alone)."""
+
+    def generate_lock(
+        self, task_name: str | None, task_args: Any = None, task_kwargs: Any = None
+    ) -> str:
+        account = (task_kwargs or {}).get("account", (task_args or [None])[0])
+        return f"account-{account}"
+
+
+class OnceByAccount(QueueOnce):
+    """celery-once: a custom key by overriding ``get_key``, calling ``super()``."""
+
+    def get_key(self, args: Any = None, kwargs: Any = None) -> str:
+        account = (kwargs or {}).get("account", (args or [None])[0])
+        return "by-account-" + super().get_key((account, 0.0), {})
+
+
+@app.task(shared=False, base=ByAccount, bind=True)
+def sync_account(self: Any, account: int, secs: float) -> int:
+    _body(self, f"singleton-account-{account}", secs)
+    return account
+
+
+@app.task(shared=False, base=OnceByAccount, bind=True)
+def once_sync_account(self: Any, account: int, secs: float) -> int:
+    _body(self, f"once-account-{account}", secs)
+    return account

@@ -13,6 +13,7 @@ project makes beyond the peers' own tests and READMEs, each answered as the peer
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from types import ModuleType
 from typing import Any
@@ -254,3 +255,38 @@ def test_a_missing_once_url_is_named_with_the_peers_setting() -> None:
 
     with pytest.raises(ConfigError, match=r"ONCE\['settings'\]\['url'\] is not set \(ONCE=\{"):
         once_task.delay(1)
+
+
+def wait_free(task: Any, key: str, timeout: float = 10.0) -> None:
+    """Poll until nobody holds ``key`` (a worker releases without waiting for Redis' reply)."""
+    deadline = time.monotonic() + timeout
+    while task._dlock().manager.holder(key) is not None:
+        assert time.monotonic() < deadline, f"{key!r} still held after {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_an_overridden_key_method_keys_the_lock(
+    ca: ModuleType, compat_worker: Worker, compat_journal: Journal
+) -> None:
+    # The peers' way to a custom key is to override generate_lock (celery-singleton) or
+    # get_key (celery-once). Before, the compat classes keyed on every argument whatever the
+    # override said: sync_account(1, 0.5) and sync_account(1, 0.6) ran at once.
+    first = ca.sync_account.delay(1, 1.0)
+    compat_journal.wait_for("start", name="singleton-account-1")
+    assert ca.sync_account.delay(account=1, secs=0.1).id == first.id  # one key: the account
+    assert first.get(timeout=10) == 1
+    wait_free(ca.sync_account, "account-1")  # the worker released the key the override made
+    assert ca.sync_account.delay(1, 0.1).get(timeout=10) == 1
+
+    running = ca.once_sync_account.delay(2, 1.0)
+    compat_journal.wait_for("start", name="once-account-2")
+    with pytest.raises(AlreadyQueued):
+        ca.once_sync_account.delay(2, 0.1)
+    key = ca.once_sync_account.get_key((2, 0.1))
+    assert key == 'by-account-tests.compat_app.once_sync_account:{"account":2,"secs":0.0}'
+    assert running.get(timeout=10) == 2
+    wait_free(ca.once_sync_account, key)
+    assert ca.once_sync_account.delay(2, 0.1).get(timeout=10) == 2
+    assert len(compat_journal.select("start", name="singleton-account-1")) == 2
+    assert len(compat_journal.select("start", name="once-account-2")) == 2

@@ -19,7 +19,13 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.compat.singleton import check_argument_names, eager_holder, give_back_own
+from celery_dlock.compat.singleton import (
+    check_argument_names,
+    default_key,
+    eager_holder,
+    give_back_own,
+    key_method,
+)
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.redlock import LockManager
@@ -173,6 +179,11 @@ class QueueOnce(SingletonTask):
                 # The body runs under a key of its own: a duplicate published meanwhile is
                 # queued, and waits (requeued) for the running one to end before it runs.
                 cls.on_duplicate = "requeue"
+        key_method(
+            cls,
+            "get_key",
+            lambda method, task, args, kwargs: method(task, list(args), dict(kwargs)),
+        )
         super().__init_subclass__(**kwargs)
 
     # -- celery-once's settings ----------------------------------------------------------------
@@ -231,8 +242,9 @@ class QueueOnce(SingletonTask):
         return OnceBackend(self)
 
     def get_key(self, args: Any = None, kwargs: Any = None) -> str:
-        """The lock key of a call with these arguments (celery-once's ``get_key``)."""
-        return self.lock_key_for(args or (), kwargs or {})
+        """The lock key of a call with these arguments (celery-once's ``get_key``). A task
+        class that overrides it keys its lock with the override."""
+        return default_key(self, args, kwargs)
 
     # -- publishing ----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ already queued or running for the key, or raises :class:`DuplicateTaskError` nam
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -18,6 +19,7 @@ from celery.utils import uuid
 
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockUnavailable
+from celery_dlock.keys import KeyBuilder
 from celery_dlock.redlock import LockManager
 from celery_dlock.registry import manager_for, manager_for_settings
 from celery_dlock.task import PEER_OPTIONS, SingletonTask
@@ -119,6 +121,60 @@ def eager_holder(
     except LockUnavailable:
         return None
     return None if holder is None else holder.holder
+
+
+class PeerKey:
+    """The ``lock_key`` of a compat task class that overrides the peer's key method
+    (celery-singleton's ``generate_lock``, celery-once's ``get_key``), the peers' way to a key
+    of one's own: the lock key is what that method returns, at publish and in the worker.
+    ``default`` is the key spec the method's own ``super()`` call computes."""
+
+    def __init__(self, method: Callable[..., Any], default: Any) -> None:
+        self.method = method  # (task, args, kwargs) -> str
+        self.default = default
+
+    def __get__(self, task: Any, owner: type | None = None) -> Any:
+        if task is None:
+            return self
+        return functools.partial(self.method, task)
+
+    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        raise TypeError("a PeerKey is called through its task: task.lock_key(args, kwargs)")
+
+
+def key_method(cls: Any, name: str, call: Callable[..., Any]) -> None:
+    """Make ``cls``'s override of the peer's key method ``name`` (its own, or a base class's)
+    the task's lock key; ``call(method, task, args, kwargs)`` calls it."""
+    missing = object()
+    own = cls.__dict__.get("lock_key", missing)  # set here: by unique_on or once['keys']
+    inherited = next(b.__dict__["lock_key"] for b in cls.__mro__[1:] if "lock_key" in b.__dict__)
+    method = cls.__dict__.get(name)
+    if callable(method):
+        if own is not missing:
+            default = own
+        else:
+            default = inherited.default if isinstance(inherited, PeerKey) else inherited
+        cls.lock_key = PeerKey(functools.partial(call, method), default)
+    elif own is not missing and isinstance(inherited, PeerKey) and not isinstance(own, PeerKey):
+        # unique_on / once['keys'] below a class that overrides the key method: the method
+        # still makes the key; the new spec is what its super() call computes.
+        cls.lock_key = PeerKey(inherited.method, own)
+
+
+def default_key(task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
+    """The key of a call as the compat class makes it without an overridden key method."""
+    spec = type(task).lock_key
+    if not isinstance(spec, PeerKey):
+        if task.lock_key == []:
+            return str(task._dlock().keys._named({}))  # the name alone: arguments not read
+        return str(task.lock_key_for(args or (), kwargs or {}))
+    builder: KeyBuilder | None = task.__dict__.get("_peer_default_keys")
+    if builder is None:
+        builder = KeyBuilder(task.name, task.run, spec.default, task._unkeyable_fix)
+        task.__dict__["_peer_default_keys"] = builder
+    if spec.default == []:
+        return builder._named({})
+    return builder(*builder.sent(args or (), kwargs or {}, task.serializer))
 
 
 def expiry_seconds(name: str, value: Any) -> float:
@@ -228,6 +284,11 @@ class Singleton(SingletonTask):
                 f"{where}: raise_on_duplicate={cls.raise_on_duplicate!r} must be True, False or "
                 "None (None reads the singleton_raise_on_duplicate setting)."
             )
+        key_method(
+            cls,
+            "generate_lock",
+            lambda method, task, args, kwargs: method(task, task.name, list(args), dict(kwargs)),
+        )
         super().__init_subclass__(**kwargs)
 
     # -- celery-singleton's settings -----------------------------------------------------------
@@ -311,9 +372,7 @@ class Singleton(SingletonTask):
         celery-singleton's signature; the key is always this task's). With ``unique_on=[]``
         the arguments are not read, as in celery-singleton: ``self.release_lock()`` with none
         frees the task's one key."""
-        if self.lock_key == []:
-            return self._dlock().keys._named({})
-        return self.lock_key_for(task_args or (), task_kwargs or {})
+        return default_key(self, task_args, task_kwargs)
 
     def get_existing_task_id(self, lock: str) -> str | None:
         """The id of the task holding ``lock`` (queued or running), or None."""
