@@ -290,3 +290,22 @@ def test_an_overridden_key_method_keys_the_lock(
     assert ca.once_sync_account.delay(2, 0.1).get(timeout=10) == 2
     assert len(compat_journal.select("start", name="singleton-account-1")) == 2
     assert len(compat_journal.select("start", name="once-account-2")) == 2
+
+
+def test_already_queued_countdown_is_a_valid_retry_after(single_urls: list[str]) -> None:
+    # A web view answers AlreadyQueued with Retry-After: int(exc.countdown). celery-once's
+    # countdown is never below -0.002 (PTTL of a key gone, in seconds); ours was -1.0 when the
+    # holder's key was freed between the refused publish and the look at its ttl (here: the
+    # look at a free key), and -1 is no valid Retry-After.
+    app = eager_app(single_urls)
+    app.conf.task_always_eager = False
+
+    @app.task(base=QueueOnce, shared=False)
+    def once_task(a: int) -> None:
+        pass
+
+    assert once_task._countdown((1,), {}, {}) == 0.0
+    once_task.delay(1)
+    with pytest.raises(AlreadyQueued) as queued:
+        once_task.delay(1)
+    assert int(queued.value.countdown) in range(3590, 3601)

@@ -121,7 +121,7 @@ class OnceBackend:
                 key, ttl=seconds, holder=f"once-{uuid()}", renew=False, queued=True
             )
         except LockContended as exc:
-            left = exc.retry_after if exc.retry_after is not None else -1.0
+            left = exc.retry_after if exc.retry_after is not None else 0.0
             raise AlreadyQueued(round(left, 3)) from None
         manager.forget(lease)
 
@@ -300,13 +300,15 @@ class QueueOnce(SingletonTask):
         raise AlreadyQueued(self._countdown(args, kwargs, options))
 
     def _countdown(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> float:
-        """Seconds until the holder's key expires unless renewed (-1 when unknown)."""
+        """Seconds until the holder's key expires unless renewed; 0 when unknown (freed
+        meanwhile, or Redis unreachable): "retry now". Never below 0, so ``Retry-After:
+        int(countdown)`` stays a valid header (celery-once's lowest is -0.002, a key gone)."""
         key = self._wire_key(args, kwargs, options.get("serializer"))
         try:
             info = self._dlock().manager.inspect(key)
         except LockUnavailable:
-            return -1.0
-        return -1.0 if info.ttl_left is None else round(info.ttl_left, 3)
+            return 0.0
+        return 0.0 if info.ttl_left is None else max(0.0, round(info.ttl_left, 3))
 
     # -- execution -----------------------------------------------------------------------------
 
