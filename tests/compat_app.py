@@ -288,3 +288,29 @@ def sync_account(self: Any, account: int, secs: float) -> int:
 def once_sync_account(self: Any, account: int, secs: float) -> int:
     _body(self, f"once-account-{account}", secs)
     return account
+
+
+# -- Flask's ContextTask pattern on a compat class: __call__ runs self.run itself --------------
+
+
+class RunsItselfSingleton(Singleton):
+    """Flask's ``ContextTask`` pattern: ``return self.run(*args, **kwargs)`` inside an app
+    context, not ``super().__call__``: our execution-time lock is bypassed."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+class RunsItselfQueueOnce(QueueOnce):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+@app.task(shared=False, base=RunsItselfSingleton)
+def runs_itself(a: int) -> int:
+    return a
+
+
+@app.task(shared=False, base=RunsItselfQueueOnce)
+def once_runs_itself(a: int) -> int:
+    return a

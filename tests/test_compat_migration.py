@@ -309,3 +309,18 @@ def test_already_queued_countdown_is_a_valid_retry_after(single_urls: list[str])
     with pytest.raises(AlreadyQueued) as queued:
         once_task.delay(1)
     assert int(queued.value.countdown) in range(3590, 3601)
+
+
+@pytest.mark.slow
+def test_a_call_override_that_skips_super_leaves_no_key(
+    ca: ModuleType, compat_worker: Worker, compat_journal: Journal
+) -> None:
+    # Flask's ContextTask pattern put on a compat class (``__call__`` returning self.run(...)
+    # in an app context) skips our __call__, which hands the queued key to the run and frees
+    # it. The peers free their key in on_success / after_return, which still run. Before, the
+    # key was left for the queued lifetime (600 s, 3600 s): every later call was a duplicate
+    # of a task that had ended.
+    for task in (ca.runs_itself, ca.once_runs_itself):
+        assert task.delay(3).get(timeout=10) == 3
+        wait_free(task, task.lock_key_for((3,), {}), timeout=5)
+        assert task.delay(3).get(timeout=10) == 3

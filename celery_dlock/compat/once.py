@@ -23,6 +23,7 @@ from celery_dlock.compat.singleton import (
     check_argument_names,
     default_key,
     eager_holder,
+    free_leftover,
     give_back_own,
     key_method,
 )
@@ -149,6 +150,8 @@ class QueueOnce(SingletonTask):
     """
 
     lock_on = "enqueue"
+    #: A subclass defines its own ``__call__``: see :func:`free_leftover`.
+    _own_call: ClassVar[bool] = False
     #: celery-once's task options: ``keys``, ``timeout``, ``graceful``, ``unlock_before_run``.
     once: ClassVar[Mapping[str, Any]] = {"graceful": False, "unlock_before_run": False}
 
@@ -179,12 +182,21 @@ class QueueOnce(SingletonTask):
                 # The body runs under a key of its own: a duplicate published meanwhile is
                 # queued, and waits (requeued) for the running one to end before it runs.
                 cls.on_duplicate = "requeue"
+        if "__call__" in cls.__dict__:
+            cls._own_call = True
         key_method(
             cls,
             "get_key",
             lambda method, task, args, kwargs: method(task, list(args), dict(kwargs)),
         )
         super().__init_subclass__(**kwargs)
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+        if self._own_call:
+            free_leftover(self, args, kwargs, task_id)
 
     # -- celery-once's settings ----------------------------------------------------------------
 

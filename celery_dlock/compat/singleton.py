@@ -177,6 +177,24 @@ def default_key(task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any]
     return builder(*builder.sent(args or (), kwargs or {}, task.serializer))
 
 
+def free_leftover(task: SingletonTask, args: Any, kwargs: Any, task_id: str | None) -> None:
+    """After a run of a class whose own ``__call__`` may not call ``super().__call__()`` (the
+    Flask ``ContextTask`` pattern: ``return self.run(*args, **kwargs)``): free the queued key
+    the message still holds, as the peers' ``on_success``/``after_return`` would. A run that
+    went through our ``__call__`` has already passed that key on and freed it: nothing to do.
+    """
+    if not task_id:
+        return
+    key = task._dlock().keys(args or (), kwargs or {})
+    manager = task._dlock().manager
+    try:
+        holder = manager.holder(key)
+    except LockUnavailable:
+        return  # the key expires by itself (lock_queued_ttl)
+    if holder is not None and holder.holder == task_id and holder.queued:
+        manager.release_token(key, holder.token)
+
+
 def expiry_seconds(name: str, value: Any) -> float:
     """celery-singleton's ``lock_expiry`` in seconds: what redis-py's ``SET ... EX`` takes
     there (an int, a string of digits such as an environment variable, a ``timedelta``), or
@@ -261,6 +279,8 @@ class Singleton(SingletonTask):
     #: A subclass's own ``on_duplicate(existing_task_id)`` method, kept apart from the
     #: ``on_duplicate`` policy option of SingletonTask.
     _duplicate_hook: ClassVar[Callable[[Any, str], Any] | None] = None
+    #: A subclass defines its own ``__call__``: see :func:`free_leftover`.
+    _own_call: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         where = f"task {getattr(cls, 'name', None) or cls.__qualname__!r}"
@@ -284,12 +304,21 @@ class Singleton(SingletonTask):
                 f"{where}: raise_on_duplicate={cls.raise_on_duplicate!r} must be True, False or "
                 "None (None reads the singleton_raise_on_duplicate setting)."
             )
+        if "__call__" in cls.__dict__:
+            cls._own_call = True
         key_method(
             cls,
             "generate_lock",
             lambda method, task, args, kwargs: method(task, task.name, list(args), dict(kwargs)),
         )
         super().__init_subclass__(**kwargs)
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+        if self._own_call:
+            free_leftover(self, args, kwargs, task_id)
 
     # -- celery-singleton's settings -----------------------------------------------------------
 
