@@ -23,6 +23,7 @@ from celery import Celery
 
 from celery_dlock import ConfigError
 from celery_dlock.compat import AlreadyQueued, DuplicateTaskError, QueueOnce, Singleton
+from tests.clients import client
 from tests.workers import Journal, Worker
 
 
@@ -324,3 +325,37 @@ def test_a_call_override_that_skips_super_leaves_no_key(
         assert task.delay(3).get(timeout=10) == 3
         wait_free(task, task.lock_key_for((3,), {}), timeout=5)
         assert task.delay(3).get(timeout=10) == 3
+
+
+def test_a_deterministic_task_id_published_twice_is_a_duplicate(single_urls: list[str]) -> None:
+    # apply_async(task_id=f"sync-{account}") is a common way to name a job once. The peers'
+    # key is taken by the first publish, so the second is a duplicate (the existing result,
+    # DuplicateTaskError, AlreadyQueued). Before, the second took its own queued lock over
+    # (as a retry does) and published a second message with that id: a second run.
+    app = eager_app(single_urls)
+    app.conf.task_always_eager = False
+    broker = client(single_urls[0])
+
+    @app.task(base=Singleton, shared=False)
+    def singleton_task(a: int) -> None:
+        pass
+
+    @app.task(base=Singleton, raise_on_duplicate=True, shared=False)
+    def raising_task(a: int) -> None:
+        pass
+
+    @app.task(base=QueueOnce, shared=False)
+    def once_task(a: int) -> None:
+        pass
+
+    assert singleton_task.apply_async((1,), task_id="sync-1").id == "sync-1"
+    assert singleton_task.apply_async((1,), task_id="sync-1").id == "sync-1"
+    raising_task.apply_async((1,), task_id="sync-2")
+    with pytest.raises(DuplicateTaskError) as duplicate:
+        raising_task.apply_async((1,), task_id="sync-2")
+    assert duplicate.value.task_id == "sync-2"
+    once_task.apply_async((1,), task_id="sync-3")
+    with pytest.raises(AlreadyQueued):
+        once_task.apply_async((1,), task_id="sync-3")
+    assert once_task.apply_async((1,), task_id="sync-3", once={"graceful": True}).id is None
+    assert broker.llen("celery") == 3  # one message per id

@@ -25,6 +25,7 @@ from celery_dlock.compat.singleton import (
     eager_holder,
     free_leftover,
     give_back_own,
+    held_by_own_id,
     key_method,
 )
 from celery_dlock.config import check_seconds, settings_from_app
@@ -282,6 +283,7 @@ class QueueOnce(SingletonTask):
             return Task.apply_async(
                 self, args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+        explicit_id = task_id
         task_id = task_id or uuid()
         settings = once_settings(self.app.conf)
         blocking = bool(settings.get("blocking", False))
@@ -293,7 +295,10 @@ class QueueOnce(SingletonTask):
         _call.once = once
         try:
             while True:
-                if eager_holder(self, args, kwargs, options) is None:
+                if (
+                    not held_by_own_id(self, args, kwargs, options, explicit_id)
+                    and eager_holder(self, args, kwargs, options) is None
+                ):
                     result = super().apply_async(
                         args, kwargs, task_id, producer, link, link_error, shadow, **options
                     )

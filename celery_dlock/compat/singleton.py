@@ -206,6 +206,25 @@ def expiry_seconds(name: str, value: Any) -> float:
     return check_seconds(name, value)
 
 
+def held_by_own_id(
+    task: SingletonTask, args: Any, kwargs: Any, options: Mapping[str, Any], task_id: Any
+) -> bool:
+    """Whether a publish with an explicit ``task_id`` (a deterministic id, not a retry's) finds
+    the call's key held by that same id: a message with it is queued or running already.
+
+    The peers refuse it as a duplicate (their key is taken, whoever took it).
+    ``SingletonTask`` takes its own queued lock over (what a retry needs) and would publish a
+    second message with the id, a second run."""
+    if not task_id or options.get("retries"):
+        return False
+    key = task._wire_key(args, kwargs, options.get("serializer"))
+    try:
+        holder = task._dlock().manager.holder(key)
+    except LockUnavailable:
+        return False
+    return holder is not None and holder.holder == task_id
+
+
 def give_back_own(task: SingletonTask, key: str) -> bool:
     """If the execution running in this thread holds ``key``, give it back (released, not
     lost: the body goes on) and return True."""
@@ -366,8 +385,11 @@ class Singleton(SingletonTask):
         **options: Any,
     ) -> Any:
         """Publish, or answer a duplicate as celery-singleton does (see :meth:`on_duplicate`)."""
+        if held_by_own_id(self, args, kwargs, options, task_id):
+            holder: str | None = task_id
+        else:
+            holder = eager_holder(self, args, kwargs, options)
         task_id = task_id or uuid()
-        holder = eager_holder(self, args, kwargs, options)
         if holder is None:
             result = super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
