@@ -47,7 +47,14 @@ LONG_KEY = 200
 KeyFunction = Callable[[Sequence[Any], Mapping[str, Any]], str]
 
 
-def _canonical(value: Any, where: str) -> Any:
+#: What the refusal of an unkeyable value tells the user to do instead (a task class may name
+#: its own options: the compat classes name the peers').
+UNKEYABLE_FIX = (
+    "Key on other arguments with lock_key=[...], or give lock_key a template or a callable."
+)
+
+
+def _canonical(value: Any, where: str, fix: str = UNKEYABLE_FIX) -> Any:
     """A JSON-compatible value that is equal for equal inputs; raises for unkeyable ones."""
     if value is None or isinstance(value, bool | int | str):
         return value
@@ -56,15 +63,15 @@ def _canonical(value: Any, where: str) -> Any:
             return {"float": repr(value)}
         return value
     if isinstance(value, list | tuple):
-        return [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_canonical(v, f"{where}[{i}]", fix) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
-        items = [(_canonical(k, f"{where} key"), _canonical(v, f"{where}[{k!r}]"))
+        items = [(_canonical(k, f"{where} key", fix), _canonical(v, f"{where}[{k!r}]", fix))
                  for k, v in value.items()]  # fmt: skip
         if all(isinstance(k, str) for k, _ in items):
             return dict(sorted(items, key=lambda kv: kv[0]))
         return {"dict": sorted(items, key=lambda kv: _dumps(kv[0]))}
     if isinstance(value, set | frozenset):
-        return {"set": sorted((_canonical(v, f"{where} item") for v in value), key=_dumps)}
+        return {"set": sorted((_canonical(v, f"{where} item", fix) for v in value), key=_dumps)}
     if isinstance(value, uuid.UUID):
         return {"uuid": str(value)}
     if isinstance(value, datetime.datetime):
@@ -78,8 +85,7 @@ def _canonical(value: Any, where: str) -> Any:
     raise ConfigError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which cannot be "
         "part of a lock key (only None, bool, int, float, str, list, tuple, dict, set, UUID, "
-        "date, datetime, Decimal and bytes can). Key on other arguments with lock_key=[...], "
-        "or give lock_key a template or a callable."
+        f"date, datetime, Decimal and bytes can). {fix}"
     )
 
 
@@ -173,9 +179,12 @@ def _short(value: Any) -> str:
 class KeyBuilder:
     """Turns a task call's ``(args, kwargs)`` into its lock key; built once per task class."""
 
-    def __init__(self, task_name: str, run: Callable[..., Any], lock_key: Any) -> None:
+    def __init__(
+        self, task_name: str, run: Callable[..., Any], lock_key: Any, fix: str = UNKEYABLE_FIX
+    ) -> None:
         self.task_name = task_name
         self.lock_key = lock_key
+        self.fix = fix  # the refusal of an unkeyable argument ends with it
         try:
             self.signature: inspect.Signature | None = inspect.signature(run)
         except (TypeError, ValueError):  # a builtin or otherwise opaque callable
@@ -313,7 +322,7 @@ class KeyBuilder:
 
     def _named(self, arguments: Mapping[str, Any]) -> str:
         canonical = {
-            name: _canonical(value, f"argument {name!r} of task {self.task_name!r}")
+            name: _canonical(value, f"argument {name!r} of task {self.task_name!r}", self.fix)
             for name, value in arguments.items()
         }
         return shorten(f"{self.task_name}:{_dumps(canonical)}")

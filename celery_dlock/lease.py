@@ -66,6 +66,7 @@ class Lease:
         self._deadline = deadline
         self._lost: LockLost | None = None
         self._released = False
+        self._given_back = False
         self._callbacks: list[LostCallback] = []
         # Held while a renewal or the release talks to Redis about this lease, so a renewal
         # in flight can never re-create a key the release has just deleted.
@@ -99,6 +100,8 @@ class Lease:
     @property
     def lost(self) -> bool:
         """True once the lease is known lost, or its validity has run out (even unnoticed)."""
+        if self._given_back:  # released at the holder's own request: ended, not lost
+            return self._lost is not None
         return self._lost is not None or time.monotonic() >= self._deadline
 
     @property
@@ -202,6 +205,18 @@ class Lease:
         on Redis errors (the key then expires after at most the ttl). ``wait=False`` sends the
         release without waiting for the nodes' replies (and returns False)."""
         return self._manager.release(self, wait=wait)
+
+    def give_back(self) -> bool:
+        """Release now, at the holder's own request (a body freeing its key early, to queue
+        its next run, say): the lease is released, never reported lost, and the body goes on
+        without it. True if a quorum confirmed the delete."""
+        if self._lost is not None or self._released:
+            return False
+        if time.monotonic() >= self._deadline:
+            self.notice_expiry()
+            return False
+        self._given_back = True
+        return self.release()
 
     def _release_for(self, reason: str) -> None:
         """Give the lock back for good, and report the lease lost (``reason``) from now on.

@@ -53,7 +53,7 @@ from celery_dlock import interrupt
 from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
 from celery_dlock.holder import Holder, head_token
-from celery_dlock.keys import KeyBuilder
+from celery_dlock.keys import UNKEYABLE_FIX, KeyBuilder
 from celery_dlock.lease import Lease
 from celery_dlock.redlock import LockManager, PendingAcquire
 from celery_dlock.registry import manager_for
@@ -197,6 +197,8 @@ class SingletonTask(_TaskBase):
     #: what to write instead. Left in a half-migrated task they would be ignored without a
     #: word, so they are refused, per task and per call (:meth:`_refuse_peer_options`).
     _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = PEER_OPTIONS
+    #: What the refusal of an argument that cannot be part of a key tells the user to do.
+    _unkeyable_fix: ClassVar[str] = UNKEYABLE_FIX
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -876,7 +878,7 @@ class _Resolved:
     def __init__(self, task: SingletonTask) -> None:
         self.manager: LockManager = task._lock_manager()
         self.ttl = task.lock_ttl if task.lock_ttl is not None else self.manager.settings.ttl
-        self.keys = KeyBuilder(task.name, task.run, task.lock_key)
+        self.keys = KeyBuilder(task.name, task.run, task.lock_key, task._unkeyable_fix)
         self._task = task
 
         self.interval = check_renew_interval(None, self.ttl)

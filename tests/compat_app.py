@@ -207,3 +207,110 @@ def short_lived(self: Any, a: int, secs: float) -> int:
 def once_short_lived(self: Any, a: int, secs: float) -> int:
     _body(self, f"once-short-{a}", secs)
     return a
+
+
+# -- a migrating team's calls (tests/test_compat_migration.py) ---------------------------------
+
+
+@app.task(shared=False, base=Singleton, bind=True, raise_on_duplicate=True)
+def raising_work(self: Any, a: int, secs: float) -> int:
+    _body(self, f"singleton-raising-{a}", secs)
+    return a
+
+
+@app.task(shared=False)
+def fan_out(name: str, a: int, secs: float) -> str:
+    """A plain task that publishes a compat task, as a dispatcher (or a beat job) does: the
+    compat class's exception, if any, is this task's failure."""
+    if name == "once":
+        return str(once_work.delay(a, a, secs).id)
+    return str(raising_work.delay(a, secs).id)
+
+
+@app.task(
+    shared=False,
+    base=Singleton,
+    bind=True,
+    raise_on_duplicate=True,
+    autoretry_for=(ExpectedTaskFail,),
+    max_retries=1,
+    default_retry_delay=0.3,
+)
+def autoretry_raising(self: Any, a: int) -> int:
+    """celery-singleton#55: autoretry_for with raise_on_duplicate (there, the retry raised
+    DuplicateTaskError and the worker died)."""
+    _body(self, f"singleton-autoretry-{a}", 0.1)
+    if self.request.retries == 0:
+        raise ExpectedTaskFail()
+    return a
+
+
+@app.task(shared=False, base=Singleton, bind=True, unique_on=[], raise_on_duplicate=True)
+def reschedules_itself(self: Any, n: int) -> int:
+    """celery-singleton#53: a task that frees its own key, queues its next run (n - 1), and
+    goes on working (1.5 s for n=2: longer than the lease's renewal interval)."""
+    _body(self, "singleton-reschedules", 0.1, n=n)
+    if n > 0:
+        self.release_lock()
+        self.apply_async((n - 1,), countdown=0.2)
+    _body(self, "singleton-reschedules-rest", 1.5 if n == 2 else 0.0, n=n)
+    return n
+
+
+# -- the peers' way to a key of one's own: overriding generate_lock / get_key -----------------
+
+
+class ByAccount(Singleton):
+    """celery-singleton: a custom key by overriding ``generate_lock`` (the account alone)."""
+
+    def generate_lock(
+        self, task_name: str | None, task_args: Any = None, task_kwargs: Any = None
+    ) -> str:
+        account = (task_kwargs or {}).get("account", (task_args or [None])[0])
+        return f"account-{account}"
+
+
+class OnceByAccount(QueueOnce):
+    """celery-once: a custom key by overriding ``get_key``, calling ``super()``."""
+
+    def get_key(self, args: Any = None, kwargs: Any = None) -> str:
+        account = (kwargs or {}).get("account", (args or [None])[0])
+        return "by-account-" + super().get_key((account, 0.0), {})
+
+
+@app.task(shared=False, base=ByAccount, bind=True)
+def sync_account(self: Any, account: int, secs: float) -> int:
+    _body(self, f"singleton-account-{account}", secs)
+    return account
+
+
+@app.task(shared=False, base=OnceByAccount, bind=True)
+def once_sync_account(self: Any, account: int, secs: float) -> int:
+    _body(self, f"once-account-{account}", secs)
+    return account
+
+
+# -- Flask's ContextTask pattern on a compat class: __call__ runs self.run itself --------------
+
+
+class RunsItselfSingleton(Singleton):
+    """Flask's ``ContextTask`` pattern: ``return self.run(*args, **kwargs)`` inside an app
+    context, not ``super().__call__``: our execution-time lock is bypassed."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+class RunsItselfQueueOnce(QueueOnce):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+@app.task(shared=False, base=RunsItselfSingleton)
+def runs_itself(a: int) -> int:
+    return a
+
+
+@app.task(shared=False, base=RunsItselfQueueOnce)
+def once_runs_itself(a: int) -> int:
+    return a

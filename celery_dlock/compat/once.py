@@ -19,7 +19,15 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.compat.singleton import check_argument_names
+from celery_dlock.compat.singleton import (
+    check_argument_names,
+    default_key,
+    eager_holder,
+    free_leftover,
+    give_back_own,
+    held_by_own_id,
+    key_method,
+)
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.redlock import LockManager
@@ -40,7 +48,13 @@ class AlreadyQueued(Exception):
     def __init__(self, countdown: float) -> None:
         self.message = f"Expires in {countdown} seconds"
         self.countdown = countdown
-        super().__init__(self.message)
+        # args=(countdown,) as celery-once's: a result backend rebuilds the exception from its
+        # args (``AlreadyQueued(*args)``), so a task that failed with it gives its caller the
+        # countdown back as a number.
+        super().__init__(countdown)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def once_settings(conf: Any) -> Mapping[str, Any]:
@@ -109,18 +123,22 @@ class OnceBackend:
                 key, ttl=seconds, holder=f"once-{uuid()}", renew=False, queued=True
             )
         except LockContended as exc:
-            left = exc.retry_after if exc.retry_after is not None else -1.0
+            left = exc.retry_after if exc.retry_after is not None else 0.0
             raise AlreadyQueued(round(left, 3)) from None
         manager.forget(lease)
 
     def clear_lock(self, key: str) -> bool:
-        """Force-release ``key``; a running holder is told it lost it. True if it was held."""
+        """Force-release ``key``; a running holder is told it lost it. True if it was held.
+        Called from the body of the task holding ``key``, it gives that key back instead (the
+        body goes on without it, as with celery-once)."""
+        if give_back_own(self.task, key):
+            return True
         manager = self.task._dlock().manager
         holder = manager.holder(key)
         return holder is not None and manager.force_release(key, holder)
 
 
-#: Per thread: the per-call ``once['timeout']`` of the publish under way.
+#: Per thread: the per-call ``once`` options of the publish under way.
 _call = threading.local()
 
 
@@ -133,6 +151,8 @@ class QueueOnce(SingletonTask):
     """
 
     lock_on = "enqueue"
+    #: A subclass defines its own ``__call__``: see :func:`free_leftover`.
+    _own_call: ClassVar[bool] = False
     #: celery-once's task options: ``keys``, ``timeout``, ``graceful``, ``unlock_before_run``.
     once: ClassVar[Mapping[str, Any]] = {"graceful": False, "unlock_before_run": False}
 
@@ -140,6 +160,10 @@ class QueueOnce(SingletonTask):
     _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = {
         n: f for n, f in PEER_OPTIONS.items() if n != "once"
     }
+    _unkeyable_fix = (
+        "celery-once keyed it by str(value); this key needs the value itself. Key on other "
+        "arguments with once={'keys': [...]}, or pass a value such as the object's id."
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         where = f"task {getattr(cls, 'name', None) or cls.__qualname__!r}"
@@ -159,7 +183,21 @@ class QueueOnce(SingletonTask):
                 # The body runs under a key of its own: a duplicate published meanwhile is
                 # queued, and waits (requeued) for the running one to end before it runs.
                 cls.on_duplicate = "requeue"
+        if "__call__" in cls.__dict__:
+            cls._own_call = True
+        key_method(
+            cls,
+            "get_key",
+            lambda method, task, args, kwargs: method(task, list(args), dict(kwargs)),
+        )
         super().__init_subclass__(**kwargs)
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        super().after_return(status, retval, task_id, args, kwargs, einfo)
+        if self._own_call:
+            free_leftover(self, args, kwargs, task_id)
 
     # -- celery-once's settings ----------------------------------------------------------------
 
@@ -172,8 +210,12 @@ class QueueOnce(SingletonTask):
         return self.app.conf.get("ONCE")
 
     @property
-    def default_timeout(self) -> float:
+    def default_timeout(self) -> float | None:
+        """``ONCE['settings']['default_timeout']`` (3600 s); None as celery-once takes it (no
+        expiry there; here a queued key lives ``lock_queued_ttl``)."""
         value = once_settings(self.app.conf).get("default_timeout", DEFAULT_TIMEOUT)
+        if value is None:
+            return None
         return check_seconds("ONCE['settings']['default_timeout']", value)
 
     def unlock_before_run(self) -> bool:
@@ -181,16 +223,31 @@ class QueueOnce(SingletonTask):
 
     def _lock_manager(self) -> LockManager:
         settings = once_settings(self.app.conf)
-        if self.app.conf.get("dlock_urls") is not None or settings.get("url") is None:
+        if self.app.conf.get("dlock_urls") is not None:
             return manager_for(self.app)
+        if settings.get("url") is None:
+            try:
+                return manager_for(self.app)  # the broker, if it is Redis
+            except ConfigError as exc:  # it names dlock_urls, which a celery-once user lacks
+                raise ConfigError(
+                    f"ONCE['settings']['url'] is not set (ONCE={self.app.conf.get('ONCE')!r}) "
+                    "and the broker cannot hold the locks: set ONCE['settings']['url'] to the "
+                    f"Redis URL celery-once used, such as 'redis://host:6379/0' ({exc})"
+                ) from None
         urls = [lock_url(settings["url"])]
         return manager_for_settings(settings_from_app(self.app, (urls, "ONCE['settings']['url']")))
 
     def _queued_ttl(self, options: Mapping[str, Any]) -> float:
-        timeout = getattr(_call, "timeout", None)
-        if timeout is None:
-            timeout = self.once.get("timeout")
-        return float(timeout) if timeout is not None else self.default_timeout
+        # As celery-once: the call's timeout, else the task's, else default_timeout, a None
+        # met on the way included (celery-once: no expiry; here lock_queued_ttl).
+        call: Mapping[str, Any] = getattr(_call, "once", None) or {}
+        if "timeout" in call:
+            timeout = call["timeout"]
+        elif "timeout" in self.once:
+            timeout = self.once["timeout"]
+        else:
+            timeout = self.default_timeout
+        return float(timeout) if timeout is not None else float(self.lock_queued_ttl)
 
     @property
     def once_backend(self) -> OnceBackend:
@@ -198,8 +255,9 @@ class QueueOnce(SingletonTask):
         return OnceBackend(self)
 
     def get_key(self, args: Any = None, kwargs: Any = None) -> str:
-        """The lock key of a call with these arguments (celery-once's ``get_key``)."""
-        return self.lock_key_for(args or (), kwargs or {})
+        """The lock key of a call with these arguments (celery-once's ``get_key``). A task
+        class that overrides it keys its lock with the override."""
+        return default_key(self, args, kwargs)
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -225,6 +283,7 @@ class QueueOnce(SingletonTask):
             return Task.apply_async(
                 self, args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
+        explicit_id = task_id
         task_id = task_id or uuid()
         settings = once_settings(self.app.conf)
         blocking = bool(settings.get("blocking", False))
@@ -233,14 +292,18 @@ class QueueOnce(SingletonTask):
             wait = check_seconds("ONCE['settings']['blocking_timeout']", wait, allow_zero=True)
         deadline = None if wait is None else time.monotonic() + wait
         pause = 0.01
-        _call.timeout = once.get("timeout")
+        _call.once = once
         try:
             while True:
-                result = super().apply_async(
-                    args, kwargs, task_id, producer, link, link_error, shadow, **options
-                )
-                if result.id == task_id:
-                    return result
+                if (
+                    not held_by_own_id(self, args, kwargs, options, explicit_id)
+                    and eager_holder(self, args, kwargs, options) is None
+                ):
+                    result = super().apply_async(
+                        args, kwargs, task_id, producer, link, link_error, shadow, **options
+                    )
+                    if result.id == task_id:
+                        return result
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 # Blocking mode: look again until the key frees or the wait runs out.
@@ -248,19 +311,21 @@ class QueueOnce(SingletonTask):
                 time.sleep(max(0.0, random.uniform(left / 2, left)))
                 pause = min(pause * 2, 0.5)
         finally:
-            _call.timeout = None
+            _call.once = None
         if graceful:
             return EagerResult(None, None, states.REJECTED)  # type: ignore[arg-type]
         raise AlreadyQueued(self._countdown(args, kwargs, options))
 
     def _countdown(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> float:
-        """Seconds until the holder's key expires unless renewed (-1 when unknown)."""
+        """Seconds until the holder's key expires unless renewed; 0 when unknown (freed
+        meanwhile, or Redis unreachable): "retry now". Never below 0, so ``Retry-After:
+        int(countdown)`` stays a valid header (celery-once's lowest is -0.002, a key gone)."""
         key = self._wire_key(args, kwargs, options.get("serializer"))
         try:
             info = self._dlock().manager.inspect(key)
         except LockUnavailable:
-            return -1.0
-        return -1.0 if info.ttl_left is None else round(info.ttl_left, 3)
+            return 0.0
+        return 0.0 if info.ttl_left is None else max(0.0, round(info.ttl_left, 3))
 
     # -- execution -----------------------------------------------------------------------------
 
