@@ -357,12 +357,18 @@ class SingletonTask(_TaskBase):
         nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
         body, whose fallback then still runs under the lock) the key stays held. In
         enqueue-time mode the key passes to the retry message at that same publish.
-        ``throw=False`` keeps the key: the body goes on, and the retry waits for it.
+        ``throw=False`` keeps the key in both modes: the body goes on, and the retry waits for it.
         """
         lease = self.lease
         retrying = lease is not None and throw and self.lock_on == "execute"
         if retrying:
             _retrying.lease = lease
+        # throw=False in enqueue-time mode: the body goes on, so the key must not pass to the
+        # retry message (its run would take it over while this body still runs); the retry
+        # is published without a queued lock and waits for the key like any retry.
+        keeping = lease is not None and not throw and self.lock_on == "enqueue"
+        if keeping:
+            _retrying.keep = lease
         try:
             return super().retry(
                 args=args,
@@ -377,6 +383,8 @@ class SingletonTask(_TaskBase):
         finally:
             if retrying:
                 _retrying.lease = None
+            if keeping:
+                _retrying.keep = None
 
     # -- duplicates ----------------------------------------------------------------------------
 
@@ -715,6 +723,8 @@ def queue_lock(
     ttl = task.lock_queued_ttl + _delay_of(options)
     running = None if early is not None else _running_lease(task, key, task_id)
     if running is not None:  # a retry of the running execution: the key goes with the message
+        if getattr(_retrying, "keep", None) is running:
+            return Queued(None, None)  # ... unless the body goes on (retry(throw=False))
         token = manager.hand_over(running, ttl)
         return Queued(key, None, token) if token is not None else Queued(None, None)
     attempt = 0

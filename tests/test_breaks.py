@@ -1,0 +1,59 @@
+"""Breaks found by attacking the fixes of issues 17 and 18 the way a deployment would.
+
+Each test here failed before its fix (or is marked ``xfail(strict=True)`` with the reason it
+still does): real prefork workers and real redis-server processes, as everywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.celery_fixtures import Mode, make_mode
+from tests.workers import Journal, Worker, intervals, overlaps
+
+pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
+
+
+@pytest.fixture(scope="module")
+def mode(celery_base: str) -> Mode:
+    """Celery-side seams: one Redis for the locks is enough."""
+    return make_mode("single", celery_base)
+
+
+@pytest.fixture
+def spawn(mode: Mode, journal: Journal) -> Iterator[Any]:
+    """Start workers of this test's own; all are stopped at the end."""
+    started: list[Worker] = []
+
+    def start(name: str, queue: str, **options: Any) -> Worker:
+        env = {**mode.env, **options.pop("env", {})}
+        worker = Worker(env, journal, name=name, queue=queue, **options)
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+# -- retry(throw=False): the body goes on, so the key must stay with it ------------------------
+
+
+@pytest.mark.parametrize("task", ["seam", "seam_enqueued"], ids=["execute", "enqueue"])
+def test_a_retry_that_does_not_throw_keeps_the_key_until_the_body_ends(
+    wa: Any, journal: Journal, spawn: Any, task: str
+) -> None:
+    # Celery's retry(throw=False) publishes the retry and returns: the body goes on. In
+    # enqueue-time mode the key used to pass to the retry message at that publish, so the
+    # retried run took it over on another pool process while the first body still ran.
+    queue = f"nothrow_{task}_q"
+    spawn(f"nothrow-{task}", queue, concurrency=2)
+    name = f"nothrow-{task}"
+    first = getattr(wa, task).apply_async((name, "retry_nothrow", 2.0), queue=queue)
+    assert first.get(timeout=20) == name
+    ends = journal.wait_for("end", timeout=20, count=2, name=name)
+    assert sorted(e["retries"] for e in ends) == [0, 1]
+    assert overlaps(intervals(journal.entries(), name=name)) == []
