@@ -571,7 +571,8 @@ class SingletonTask(_TaskBase):
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         except MergedDuplicate as merged:  # our before_task_publish handler called it off
-            _unsubscribe(self, task_id)
+            if merged.holder_id != task_id:  # the same id (published again): still wanted
+                _unsubscribe(self, task_id)
             return self.AsyncResult(merged.holder_id)
         except BaseException:
             if early is not None:  # the reply may not have been read: the publish failed first
@@ -736,9 +737,10 @@ def queue_lock(
             if early is not None and attempt == 1:
                 queued = early.pending.finish()
             else:
-                queued = manager.acquire(
-                    key, ttl=ttl, holder=task_id, renew=False, queued=True, takeover=task_id
-                )
+                # No take-over, not even of a queued lock of this very task id: publishing
+                # an id again while its message waits is a duplicate like any other (merged),
+                # or the body would run once per message. Its retry's key comes by hand_over.
+                queued = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, queued=True)
         except LockUnavailable as exc:
             log.warning(
                 "task %s[%s] published without its queued lock: %s", task.name, task_id, exc

@@ -6,6 +6,7 @@ still does): real prefork workers and real redis-server processes, as everywhere
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,3 +58,29 @@ def test_a_retry_that_does_not_throw_keeps_the_key_until_the_body_ends(
     ends = journal.wait_for("end", timeout=20, count=2, name=name)
     assert sorted(e["retries"] for e in ends) == [0, 1]
     assert overlaps(intervals(journal.entries(), name=name)) == []
+
+
+# -- enqueue-time mode: a second publish of one task id while its message waits ----------------
+
+
+def test_a_second_publish_of_a_waiting_task_id_is_merged_not_sent_again(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    # Fixed task ids are a common idempotency idiom (task_id=f"report-{day}"). While the
+    # first message waits (a countdown), publishing the same id and arguments again must be
+    # merged into it like any duplicate; a second message with the same id would run the
+    # body a second time after the first.
+    queue = "sameid_q"
+    spawn("sameid", queue, concurrency=2)
+    name = "same-id"
+    first = wa.seam_enqueued.apply_async((name, "return", 0.5), queue=queue, countdown=1.5)
+    again = wa.seam_enqueued.apply_async(
+        (name, "return", 0.5), queue=queue, countdown=1.5, task_id=first.id
+    )
+    assert again.id == first.id
+    assert first.get(timeout=15) == name
+    # A second message of that id would start within its countdown plus a requeue.
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline:
+        assert len(journal.select("start", name=name)) == 1, journal.select("start", name=name)
+        time.sleep(0.1)
