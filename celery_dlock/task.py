@@ -432,6 +432,17 @@ class SingletonTask(_TaskBase):
     def _drop_marked(self, key: str, duplicate_of: str) -> dict[str, Any]:
         """Drop a message marked a duplicate when it was published (the key was not read)."""
         self._signal(key, None, "drop")
+        task_id = self.request.id
+        if duplicate_of == task_id:
+            # Sent again under the id of the task it duplicates (send_task with a fixed id):
+            # store nothing, or this drop's result would stand for that task's own.
+            log.info(
+                "task %s[%s] dropped: a message of this same task id holds %r and runs instead",
+                self.name,
+                task_id,
+                key,
+            )
+            raise _explained_ignore(task_id)
         tick = getattr(self.request, HEADER_TICK, None)
         if tick:
             entry = str(tick).rsplit(":", 1)[0]

@@ -24,20 +24,16 @@ def mode(celery_base: str) -> Mode:
     return make_mode("single", celery_base)
 
 
-@pytest.fixture
-def spawn(mode: Mode, journal: Journal) -> Iterator[Any]:
-    """Start workers of this test's own; all are stopped at the end."""
-    started: list[Worker] = []
+QUEUE = "breaks_q"
 
-    def start(name: str, queue: str, **options: Any) -> Worker:
-        env = {**mode.env, **options.pop("env", {})}
-        worker = Worker(env, journal, name=name, queue=queue, **options)
-        started.append(worker)
-        return worker.start()
 
-    yield start
-    for worker in started:
-        worker.stop()
+@pytest.fixture(scope="module")
+def breaker(mode: Mode, wa: Any) -> Iterator[Worker]:
+    """One prefork worker with two pool processes for the whole module, on its own queue."""
+    journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
+    started = Worker(mode.env, journal, name="breaker", queue=QUEUE, concurrency=2).start()
+    yield started
+    started.stop()
 
 
 # -- retry(throw=False): the body goes on, so the key must stay with it ------------------------
@@ -45,13 +41,12 @@ def spawn(mode: Mode, journal: Journal) -> Iterator[Any]:
 
 @pytest.mark.parametrize("task", ["seam", "seam_enqueued"], ids=["execute", "enqueue"])
 def test_a_retry_that_does_not_throw_keeps_the_key_until_the_body_ends(
-    wa: Any, journal: Journal, spawn: Any, task: str
+    wa: Any, journal: Journal, breaker: Worker, task: str
 ) -> None:
     # Celery's retry(throw=False) publishes the retry and returns: the body goes on. In
     # enqueue-time mode the key used to pass to the retry message at that publish, so the
     # retried run took it over on another pool process while the first body still ran.
-    queue = f"nothrow_{task}_q"
-    spawn(f"nothrow-{task}", queue, concurrency=2)
+    queue = QUEUE
     name = f"nothrow-{task}"
     first = getattr(wa, task).apply_async((name, "retry_nothrow", 2.0), queue=queue)
     assert first.get(timeout=20) == name
@@ -64,14 +59,13 @@ def test_a_retry_that_does_not_throw_keeps_the_key_until_the_body_ends(
 
 
 def test_a_second_publish_of_a_waiting_task_id_is_merged_not_sent_again(
-    wa: Any, journal: Journal, spawn: Any
+    wa: Any, journal: Journal, breaker: Worker
 ) -> None:
     # Fixed task ids are a common idempotency idiom (task_id=f"report-{day}"). While the
     # first message waits (a countdown), publishing the same id and arguments again must be
     # merged into it like any duplicate; a second message with the same id would run the
     # body a second time after the first.
-    queue = "sameid_q"
-    spawn("sameid", queue, concurrency=2)
+    queue = QUEUE
     name = "same-id"
     first = wa.seam_enqueued.apply_async((name, "return", 0.5), queue=queue, countdown=1.5)
     again = wa.seam_enqueued.apply_async(
@@ -80,7 +74,24 @@ def test_a_second_publish_of_a_waiting_task_id_is_merged_not_sent_again(
     assert again.id == first.id
     assert first.get(timeout=15) == name
     # A second message of that id would start within its countdown plus a requeue.
-    deadline = time.monotonic() + 4.0
+    deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
         assert len(journal.select("start", name=name)) == 1, journal.select("start", name=name)
         time.sleep(0.1)
+
+
+def test_a_task_id_sent_again_by_name_does_not_replace_its_result(
+    wa: Any, journal: Journal, breaker: Worker
+) -> None:
+    # The same through send_task (by name, so the publish cannot be called off) while the
+    # task runs: the second message is marked a duplicate of its own id and dropped by the
+    # worker. The drop must store nothing: the backend keeps the first SUCCESS stored for an
+    # id, so the drop's result would stand in for the real run's.
+    queue = QUEUE
+    name = "same-id-sent"
+    first = wa.seam_enqueued.apply_async((name, "return", 1.5), queue=queue)
+    journal.wait_for("start", id=first.id)
+    wa.app.send_task(wa.seam_enqueued.name, (name, "return", 1.5), task_id=first.id, queue=queue)
+    journal.wait_for("contended", timeout=15, id=first.id, policy="drop")
+    assert first.get(timeout=15) == name
+    assert len(journal.select("start", name=name)) == 1
