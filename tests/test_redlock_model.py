@@ -227,17 +227,26 @@ class RedlockModel(RuleBasedStateMachine):
         self.holders[lease.token] = {}
         self.observe()
 
-    @precondition(lambda self: any(not x.released for x in self.leases))
-    @rule(data=st.data(), wait=st.booleans())
-    def release(self, data: st.DataObject, wait: bool) -> None:
-        lease = data.draw(st.sampled_from([x for x in self.leases if not x.released]))
+    # Which lease a step acts on is drawn as an index into the leases it may act on now, and
+    # these steps have no precondition: what they may act on depends on time and on what
+    # earlier steps got from real servers, which differ when hypothesis replays a prefix, and
+    # draws whose shape depended on it were a FlakyStrategyDefinition error in a long run.
+
+    @rule(index=st.integers(0, 3), wait=st.booleans())
+    def release(self, index: int, wait: bool) -> None:
+        candidates = [x for x in self.leases if not x.released]
+        if not candidates:
+            return
+        lease = candidates[index % len(candidates)]
         lease.release(wait=wait)
         note(f"released {lease.token} (wait={wait})")
 
-    @precondition(lambda self: bool(self.believed_valid()))
-    @rule(data=st.data())
-    def renew(self, data: st.DataObject) -> None:
-        lease = data.draw(st.sampled_from(self.believed_valid()))
+    @rule(index=st.integers(0, 3))
+    def renew(self, index: int) -> None:
+        candidates = self.believed_valid()
+        if not candidates:
+            return
+        lease = candidates[index % len(candidates)]
         with lease.io_lock:
             if lease.released:
                 return
@@ -449,7 +458,7 @@ def test_a_wipe_that_leaves_a_lease_a_minority_with_a_lapsed_copy_is_excused(
     first = model.leases[0]
     step(model.let_time_pass, 1.0)
     step(model.pause, _Pick(2))
-    step(model.renew, _Pick(first))
+    step(model.renew, 0)
     step(model.resume, _Pick(2))
     # Past node 2's copy, not past the renewed validity of the lease.
     while time.monotonic() < first.acquired_at + TTL + 0.2:
@@ -473,9 +482,9 @@ def test_a_late_renewal_on_a_resumed_node_is_undone_once_the_lease_ran_out(
     model = scripted
     model.acquire()
     lease = model.leases[0]
-    model.renew(_Pick(lease))  # node 0 now knows the renewal script: a late one runs there
+    model.renew(0)  # node 0 now knows the renewal script: a late one runs there
     model.pause(_Pick(0))
-    model.renew(_Pick(lease))
+    model.renew(0)
     while lease.valid_for > 0:
         time.sleep(0.02)
     model.resume(_Pick(0))
