@@ -411,7 +411,7 @@ class LockManager:
         """
         if self.redlock or self.cluster:
             return None
-        request = _Request(key, ttl, holder, None, None, holder, True, sender)
+        request = _Request(key, ttl, holder, None, None, "", True, sender)  # no take-over
         keys = self.redis_keys(key)
         head = self._head(request)
         started = time.monotonic()

@@ -381,12 +381,18 @@ class SingletonTask(_TaskBase):
         nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
         body, whose fallback then still runs under the lock) the key stays held. In
         enqueue-time mode the key passes to the retry message at that same publish.
-        ``throw=False`` keeps the key: the body goes on, and the retry waits for it.
+        ``throw=False`` keeps the key in both modes: the body goes on, and the retry waits for it.
         """
         lease = self.lease
         retrying = lease is not None and throw and self.lock_on == "execute"
         if retrying:
             _retrying.lease = lease
+        # throw=False in enqueue-time mode: the body goes on, so the key must not pass to the
+        # retry message (its run would take it over while this body still runs); the retry
+        # is published without a queued lock and waits for the key like any retry.
+        keeping = lease is not None and not throw and self.lock_on == "enqueue"
+        if keeping:
+            _retrying.keep = lease
         try:
             return super().retry(
                 args=args,
@@ -401,6 +407,8 @@ class SingletonTask(_TaskBase):
         finally:
             if retrying:
                 _retrying.lease = None
+            if keeping:
+                _retrying.keep = None
 
     # -- duplicates ----------------------------------------------------------------------------
 
@@ -448,6 +456,17 @@ class SingletonTask(_TaskBase):
     def _drop_marked(self, key: str, duplicate_of: str) -> dict[str, Any]:
         """Drop a message marked a duplicate when it was published (the key was not read)."""
         self._signal(key, None, "drop")
+        task_id = self.request.id
+        if duplicate_of == task_id:
+            # Sent again under the id of the task it duplicates (send_task with a fixed id):
+            # store nothing, or this drop's result would stand for that task's own.
+            log.info(
+                "task %s[%s] dropped: a message of this same task id holds %r and runs instead",
+                self.name,
+                task_id,
+                key,
+            )
+            raise _explained_ignore(task_id)
         tick = getattr(self.request, HEADER_TICK, None)
         if tick:
             entry = str(tick).rsplit(":", 1)[0]
@@ -587,7 +606,8 @@ class SingletonTask(_TaskBase):
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
         except MergedDuplicate as merged:  # our before_task_publish handler called it off
-            _unsubscribe(self, task_id)
+            if merged.holder_id != task_id:  # the same id (published again): still wanted
+                _unsubscribe(self, task_id)
             return self.AsyncResult(merged.holder_id)
         except BaseException:
             if early is not None:  # the reply may not have been read: the publish failed first
@@ -739,6 +759,8 @@ def queue_lock(
     ttl = task._queued_ttl(options) + _delay_of(options)
     running = None if early is not None else _running_lease(task, key, task_id)
     if running is not None:  # a retry of the running execution: the key goes with the message
+        if getattr(_retrying, "keep", None) is running:
+            return Queued(None, None)  # ... unless the body goes on (retry(throw=False))
         token = manager.hand_over(running, ttl)
         return Queued(key, None, token) if token is not None else Queued(None, None)
     attempt = 0
@@ -750,9 +772,10 @@ def queue_lock(
             if early is not None and attempt == 1:
                 queued = early.pending.finish()
             else:
-                queued = manager.acquire(
-                    key, ttl=ttl, holder=task_id, renew=False, queued=True, takeover=task_id
-                )
+                # No take-over, not even of a queued lock of this very task id: publishing
+                # an id again while its message waits is a duplicate like any other (merged),
+                # or the body would run once per message. Its retry's key comes by hand_over.
+                queued = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, queued=True)
         except LockUnavailable as exc:
             log.warning(
                 "task %s[%s] published without its queued lock: %s", task.name, task_id, exc

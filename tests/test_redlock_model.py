@@ -5,8 +5,10 @@ pause / resume a node (SIGSTOP / SIGCONT), stop it, start it empty or with its d
 append-only file fsynced on every write), flush it — and after every step checks:
 
 1. **One holder at a time**: at most one lease believes itself valid at any instant, unless
-   the older one's key had already gone from all but a minority of nodes by a wipe (an
-   empty start or a flush: the documented condition that lets a second client in).
+   a wipe (an empty start or a flush: the documented condition that lets a second client in)
+   took a copy of the older one's key and left it on a minority of nodes. Copies are tracked
+   with their expiry: a copy a renewal missed expires there before the lease's validity ends,
+   so a wipe of another node can leave the lease a minority long after the wipe.
 2. **Fencing**: every acquisition's token is greater than every earlier one.
 3. **Liveness**: a free key (no valid lease; no node that is up holds it) with a healthy
    majority of nodes up is acquired within one cool-down and one try.
@@ -75,6 +77,10 @@ _keys = itertools.count()
 _counts: collections.Counter[str] = collections.Counter()
 
 
+def _watched(lease: Lease, error: Exception) -> None:
+    _counts["lost"] += 1
+
+
 class RedlockModel(RuleBasedStateMachine):
     """One key on N real nodes; see the module docstring."""
 
@@ -86,10 +92,13 @@ class RedlockModel(RuleBasedStateMachine):
         self.key = f"model-{os.getpid()}-{next(_keys)}"
         self.leases: list[Lease] = []  # every lease of this example, in acquisition order
         self.excused: set[int] = set()  # tokens of leases that lost their majority to a wipe
+        self.wipes: set[int] = set()  # tokens of leases a wipe took a copy from
         self.last_token = 0
         self.paused: set[int] = set()
         self.stopped: set[int] = set()
-        self.holders: dict[int, set[int]] = {}  # token -> nodes seen holding its key
+        #: token -> {node: when (monotonic) its copy of the lease's key expires there}, as
+        #: last seen; a copy a renewal missed expires there before the lease's validity ends.
+        self.holders: dict[int, dict[int, float]] = {}
         _counts["sequences"] += 1
 
     # -- set-up ------------------------------------------------------------------------------
@@ -131,10 +140,18 @@ class RedlockModel(RuleBasedStateMachine):
         return redis.Redis(port=self.servers[i].port, socket_timeout=5)
 
     def held_on(self, i: int) -> bytes | None:
+        return self.read(i)[0]
+
+    def read(self, i: int) -> tuple[bytes | None, float]:
+        """Node ``i``'s value of the key and when (monotonic, at the latest) it expires."""
         conn = self.raw(i)
         try:
-            value: bytes | None = conn.get(f"dlock:{{{self.key}}}")
-            return value
+            begun = time.monotonic()
+            pipe = conn.pipeline(transaction=False)
+            pipe.get(f"dlock:{{{self.key}}}")
+            pipe.pttl(f"dlock:{{{self.key}}}")
+            value, pttl = pipe.execute()
+            return value, begun + max(int(pttl), 0) / 1000.0
         finally:
             conn.close()
 
@@ -142,25 +159,39 @@ class RedlockModel(RuleBasedStateMachine):
         return [x for x in self.leases if not x.released and x.valid_for > 0]
 
     def observe(self) -> None:
-        """Which nodes hold each live lease's key: seen on nodes that are up; a paused or
-        stopped node keeps what it had (a stopped one keeps it in its file)."""
-        values = {i: self.held_on(i) for i in self.up()}
+        """Where each live lease's key is, and until when: seen on nodes that are up; a
+        paused or stopped node keeps what it had (a stopped one in its file) until it expires."""
+        values = {i: self.read(i) for i in self.up()}
         for lease in self.believed_valid():
-            seen = self.holders.setdefault(lease.token, set())
-            for i, value in values.items():
+            seen = self.holders.setdefault(lease.token, {})
+            for i, (value, expires) in values.items():
                 if value is not None and value.startswith(lease.head.encode()):
-                    seen.add(i)
+                    seen[i] = expires
                 else:
-                    seen.discard(i)
+                    seen.pop(i, None)
 
     def wiped(self, i: int) -> None:
-        """Node ``i`` lost its data: leases left with less than a majority are excused."""
+        """Node ``i`` lost its data: the copies it had are gone."""
         for lease in self.believed_valid():
-            seen = self.holders.get(lease.token, set())
-            seen.discard(i)
-            if len(seen) < self.quorum:
-                self.excused.add(lease.token)
-                note(f"lease {lease.token} excused: on {sorted(seen)} after a wipe of {i}")
+            seen = self.holders.get(lease.token, {})
+            if seen.pop(i, None) is not None:
+                self.wipes.add(lease.token)
+
+    def excuse(self, lease: Lease, at: float) -> bool:
+        """Whether ``lease``, still valid, may have a successor granted at ``at``: a wipe took
+        a copy of its key and it was left on fewer than a majority of nodes (copies a renewal
+        missed expire before the lease's validity ends; only a wipe can take it below that).
+        """
+        if lease.token in self.excused:
+            return True
+        if lease.token not in self.wipes:
+            return False
+        alive = sorted(i for i, expires in self.holders[lease.token].items() if expires > at)
+        if len(alive) >= self.quorum:
+            return False
+        self.excused.add(lease.token)
+        note(f"lease {lease.token} excused: a wipe left its key on {alive} only")
+        return True
 
     # -- rules -------------------------------------------------------------------------------
 
@@ -169,39 +200,53 @@ class RedlockModel(RuleBasedStateMachine):
         self.observe()
         before = self.believed_valid()
         try:
-            lease = self.manager.acquire(self.key, ttl=TTL, renew=False)
+            # Watched (on_lost), as a renewed lease is in a process: the renew rule below plays
+            # the watchdog's renewals, and the watchdog itself reports and releases the lease
+            # when its validity runs out, which owes its delete to nodes a renewal missed.
+            lease = self.manager.acquire(self.key, ttl=TTL, renew=False, on_lost=_watched)
+            # Every node had run the acquire by now: a copy that expired before is gone.
+            granted_at = time.monotonic()
         except (LockContended, LockUnavailable) as exc:
             _counts[type(exc).__name__] += 1
             note(f"acquire refused: {type(exc).__name__}")
             return
         _counts["acquired"] += 1
         note(f"acquired token {lease.token}")
-        self.granted(lease, before)
+        self.granted(lease, before, granted_at)
 
-    def granted(self, lease: Lease, before: list[Lease]) -> None:
+    def granted(self, lease: Lease, before: list[Lease], at: float = 0.0) -> None:
         assert lease.token > self.last_token, f"token {lease.token} after {self.last_token}"
         self.last_token = lease.token
         for other in before:
-            if other.valid_for > 0 and other.token not in self.excused:
+            if other.valid_for > 0 and not self.excuse(other, at):
                 raise AssertionError(
                     f"two holders: {lease.token} granted while {other.token} believes itself "
                     f"valid for {other.valid_for:.3f} s on {sorted(self.holders[other.token])}"
                 )
         self.leases.append(lease)
-        self.holders[lease.token] = set()
+        self.holders[lease.token] = {}
         self.observe()
 
-    @precondition(lambda self: any(not x.released for x in self.leases))
-    @rule(data=st.data(), wait=st.booleans())
-    def release(self, data: st.DataObject, wait: bool) -> None:
-        lease = data.draw(st.sampled_from([x for x in self.leases if not x.released]))
+    # Which lease a step acts on is drawn as an index into the leases it may act on now, and
+    # these steps have no precondition: what they may act on depends on time and on what
+    # earlier steps got from real servers, which differ when hypothesis replays a prefix, and
+    # draws whose shape depended on it were a FlakyStrategyDefinition error in a long run.
+
+    @rule(index=st.integers(0, 3), wait=st.booleans())
+    def release(self, index: int, wait: bool) -> None:
+        candidates = [x for x in self.leases if not x.released]
+        if not candidates:
+            return
+        lease = candidates[index % len(candidates)]
         lease.release(wait=wait)
         note(f"released {lease.token} (wait={wait})")
 
-    @precondition(lambda self: bool(self.believed_valid()))
-    @rule(data=st.data())
-    def renew(self, data: st.DataObject) -> None:
-        lease = data.draw(st.sampled_from(self.believed_valid()))
+    @rule(index=st.integers(0, 3))
+    def renew(self, index: int) -> None:
+        candidates = self.believed_valid()
+        if not candidates:
+            return
+        lease = candidates[index % len(candidates)]
         with lease.io_lock:
             if lease.released:
                 return
@@ -354,3 +399,93 @@ def test_redlock_under_faults(model_servers: list[RedisServer]) -> None:
         f"stateful model, {len(model_servers)} nodes: {dict(_counts)} in "
         f"{time.monotonic() - begun:.0f} s"
     )
+
+
+class _Pick:
+    """Stands in for hypothesis's ``data`` in a scripted run: every draw gives ``value``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def draw(self, strategy: Any) -> Any:
+        return self.value
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[RedlockModel]:
+    """The model over three fresh nodes, for steps a test scripts itself."""
+    monkeypatch.setattr(f"{__name__}.note", print)  # hypothesis's note() needs its run
+    servers = [
+        RedisServer(appendonly=True, extra_args=["--appendfsync", "always"]) for _ in range(3)
+    ]
+    try:
+        for server in servers:
+            server.start()
+        app = Celery("model-scripted", set_as_current=False)
+        app.conf.dlock_urls = [s.url for s in servers]
+        app.conf.dlock_node_timeout = NODE_TIMEOUT
+
+        class Scripted(RedlockModel):
+            pass
+
+        Scripted.servers = servers
+        Scripted.manager = manager_for(app)
+        model = Scripted()
+        model.fresh()
+        yield model
+        model.teardown()
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_wipe_that_leaves_a_lease_a_minority_with_a_lapsed_copy_is_excused(
+    scripted: RedlockModel,
+) -> None:
+    # Found by reading the model (the long profile's 3-node failure in an earlier session was
+    # not kept): a renewal misses node 2 (paused), so node 2's copy expires before the lease's
+    # validity ends; then node 0 is flushed, and a second client gets nodes 0 and 2 while the
+    # first lease is still valid. That is the documented wipe condition (a node back empty at
+    # once), but the model remembered node 2 as a holder and called it two holders.
+    model = scripted
+
+    def step(rule: Any, *args: Any) -> None:
+        rule(*args)
+        model.one_holder_at_a_time()
+
+    step(model.acquire)
+    first = model.leases[0]
+    step(model.let_time_pass, 1.0)
+    step(model.pause, _Pick(2))
+    step(model.renew, 0)
+    step(model.resume, _Pick(2))
+    # Past node 2's copy, not past the renewed validity of the lease.
+    while time.monotonic() < first.acquired_at + TTL + 0.2:
+        time.sleep(0.02)
+    assert first.valid_for > 0.3
+    step(model.flush, _Pick(0))
+    step(model.acquire)
+    assert len(model.leases) == 2, "the scenario needs the second lease granted"
+    assert first.token in model.excused
+
+
+@pytest.mark.timeout(60)
+def test_a_late_renewal_on_a_resumed_node_is_undone_once_the_lease_ran_out(
+    scripted: RedlockModel,
+) -> None:
+    # Also found by reading the model: a renewal node 0 did not answer (paused) runs there
+    # when it resumes and puts the key back for a whole ttl. In a process the watchdog, which
+    # sent that renewal, reports the lease lost when its validity runs out and releases it,
+    # owing node 0 its delete; the model played the renewal but not the watchdog's release,
+    # and found "key left on nodes [0]". Its leases are now watched (on_lost), as in a process.
+    model = scripted
+    model.acquire()
+    lease = model.leases[0]
+    model.renew(0)  # node 0 now knows the renewal script: a late one runs there
+    model.pause(_Pick(0))
+    model.renew(0)
+    while lease.valid_for > 0:
+        time.sleep(0.02)
+    model.resume(_Pick(0))
+    model.no_key_left_once_all_is_released()

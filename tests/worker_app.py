@@ -300,8 +300,13 @@ def _seam_ending(task: Any, name: str, how: str, secs: float, base: dict[str, An
             record("fallback", **base, lost=lease.lost, released=lease.released)
             _work(secs)
             return "fallback"
-    if how == "retry" and request.retries > 0:
+    if how in ("retry", "retry_nothrow") and request.retries > 0:
         return name  # the retried run
+    if how == "retry_nothrow":
+        # Celery's throw=False: the retry is published and this body goes on to its end.
+        task.retry(countdown=0, throw=False)
+        _work(secs)
+        return name
     _work(secs)
     if how == "retry":
         raise task.retry(countdown=0.2)
