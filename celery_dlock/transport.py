@@ -896,12 +896,15 @@ def _send_unanswered(
 ) -> bool:
     """Send ``name`` so that the server writes no reply; False where that is not possible.
 
-    Not on a Redis Cluster shard, whose ``MOVED`` reply must be seen to reach the key. The
-    first time on a connection the command goes out with a probe (a trivial script after it):
-    an ACL user without ``CLIENT REPLY`` gets an error for it and every reply comes back, and
-    the probe's reader then turns skipping off for that connection (see :func:`_read_probe`).
+    Not on a Redis Cluster shard, whose ``MOVED`` reply must be seen to reach the key, nor on
+    a Sentinel node, whose ``READONLY`` reply (a master demoted by ``REPLICAOF``) must be seen
+    to send the command again to the new master: a skipped refusal would be confirmed by the
+    next reply on the connection and the key left there until its ttl. The first time on a
+    connection the command goes out with a probe (a trivial script after it): an ACL user
+    without ``CLIENT REPLY`` gets an error for it and every reply comes back, and the probe's
+    reader then turns skipping off for that connection (see :func:`_read_probe`).
     """
-    if node.owner is not None:
+    if node.owner is not None or node.watched:
         return False
     able = _skippable(conn)
     if able is False:
@@ -1064,28 +1067,49 @@ def _owed(conn: Connection) -> list[_Owed]:
     return owed
 
 
-def _drain(node: Node, conn: Connection) -> None:
+def _drain(node: Node, conn: Connection, *, more: bool = False) -> bool:
     """Read the replies ``conn`` still owes (see :func:`send_script`); drop it on trouble.
 
     A deferred call's reply (an error reply included) goes to its :class:`Deferred`; a
     connection that fails, or a read that is interrupted, is dropped, and the deferred calls
     still waiting get the error as their reply.
+
+    On a Sentinel node, a reply that says the server is a replica now (``READONLY``) confirms
+    nothing: the server refused what was sent before it too. The connection is then dropped,
+    so the tracked commands go again (:func:`_resend_lost`) to the master the sentinels name
+    next; with ``more`` (a command's reply is still to come on it) the caller drops it after
+    reading that reply. Returns True in that case.
     """
     owed = _owed(conn)
     if not owed:
-        return
+        return False
     failure: BaseException | None = None
+    refused = False
     try:
         if not is_connected(conn):
             failure = RedisConnectionError(f"connection to {node.shown} lost")
-            return
+            return False
         while owed:
             entry = owed[0]
             reply = _read_owed(node, conn, entry)
             owed.pop(0)
-            _settle(conn)  # a reply came: what was sent before it on this socket arrived
+            if node.watched and _demoted(reply):
+                refused = True
+            elif not refused:
+                _settle(conn)  # a reply came: what was sent before it on this socket arrived
             if entry.deferred is not None:
                 entry.deferred.settle(reply)
+        if refused:
+            log.warning(
+                "%s: %s:%s is no longer the master; what it refused goes to the master the "
+                "sentinels name next",
+                node.shown,
+                conn.host,
+                conn.port,
+            )
+            if not more:
+                conn.disconnect()
+        return refused
     except (RedisError, OSError) as exc:
         log.debug("reply owed by %s lost: %s", node.shown, exc)
         failure = exc
@@ -1100,6 +1124,7 @@ def _drain(node: Node, conn: Connection) -> None:
                 if entry.deferred is not None and not entry.deferred.done:
                     entry.deferred.settle(failure or RedisConnectionError("connection lost"))
             owed.clear()  # tracked commands among them are sent again (_resend_lost)
+    return False
 
 
 def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
@@ -1119,6 +1144,8 @@ def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
         node.owner.reload_later()
         return node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
     except ResponseError as exc:
+        if node.watched and _demoted(exc):
+            return exc  # a replica now: _drain has it sent again elsewhere
         if entry.deferred is None and not entry.must:
             raise
         if entry.must:  # refused, not lost: sending it again cannot help
@@ -1210,8 +1237,7 @@ def _reply(node: Node, conn: Connection) -> Reply:
     """The reply to the command just sent on ``conn`` (after any sent again ahead of it), or
     the exception that stands in for it. A reply read confirms the reply-less commands sent
     before it on this socket."""
-    if getattr(conn, "_dlock_owed", None):
-        _drain(node, conn)
+    refused = bool(getattr(conn, "_dlock_owed", None)) and _drain(node, conn, more=True)
     try:
         reply = conn.read_response()
     except ResponseError as exc:  # an error reply is still a reply
@@ -1223,6 +1249,9 @@ def _reply(node: Node, conn: Connection) -> Reply:
         reply = exc
     except (RedisError, OSError) as exc:
         return exc
+    if refused:  # a replica refused what went before: nothing is confirmed (see _drain)
+        conn.disconnect()
+        return reply
     sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
     if sent:
         sent.clear()  # confirmed (see _settle)

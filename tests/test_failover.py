@@ -220,3 +220,28 @@ def test_a_script_refused_readonly_asks_the_sentinels_again(
         lease.release()
         manager.close()
     assert on_master(group.replica.port, "ro") is None
+
+
+def test_a_reply_less_release_refused_readonly_reaches_the_new_master(
+    group: Group, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the announcements unheard, a master demoted by ``REPLICAOF`` refuses the
+    end-of-task release (``wait=False``, no reply read) with ``READONLY``. The release must
+    still free the key on the new master, even when the thread's next command (the next
+    task's acquire) comes at once."""
+    monkeypatch.setattr(transport, "HEAR_SWITCHES", False)
+    manager = LockManager(Settings(urls=(group.url,)))
+    try:
+        lease = manager.acquire("ro-release", ttl=30)
+        poll("the lock to reach the replica", lambda: on_master(group.replica.port, "ro-release"))
+        group.switch()
+        group.demote_by_hand()
+        lease.release(wait=False)
+        manager.acquire("ro-next", ttl=30, renew=False).release()
+        poll(
+            "the release to reach the new master",
+            lambda: on_master(group.replica.port, "ro-release") is None,
+            3,
+        )
+    finally:
+        manager.close()
