@@ -156,6 +156,11 @@ class Node:
         """True if ``conn`` reaches a server its sentinels no longer call master."""
         return False
 
+    def overtaken(self, conn: Connection) -> bool:
+        """True if the sentinels name ``conn``'s server master under a newer configuration
+        than the master this process heard announced (:class:`SentinelNode`)."""
+        return False
+
 
 #: Hear Sentinel's ``+switch-master`` announcements (:mod:`celery_dlock.failover`); tests turn
 #: it off to show what the other failover signals (``READONLY``, closed connections) do alone.
@@ -172,7 +177,9 @@ class SentinelNode(Node):
     (:class:`celery_dlock.failover.SwitchWatch`). Once one names a new master, a connection to
     any other address is dropped before its next command and opened again through the
     sentinels; one that the sentinels still send elsewhere (a sentinel lagging behind the
-    announcement) fails, unsent, rather than act on the old master. A script refused with
+    announcement) fails, unsent, rather than act on the old master, unless a sentinel names
+    that master under a newer configuration epoch than the announcement's (a failover this
+    process did not hear: :meth:`overtaken`). A script refused with
     ``READONLY`` (a master demoted by ``REPLICAOF`` keeps its clients) also drops the
     connection and asks the sentinels again (:func:`run_script`).
     """
@@ -182,8 +189,9 @@ class SentinelNode(Node):
     def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
         super().__init__(url, timeout, prefix)
         self.service = self.endpoint.service
-        #: The master address last announced by a sentinel; None until one is.
-        self.announced: tuple[str, int] | None = None
+        #: The master address last announced by a sentinel, with the configuration epoch the
+        #: announcing sentinel gave for it (None if it could not be asked); None until one is.
+        self._announcement: tuple[tuple[str, int], int | None] | None = None
         self._watch: Any = None
         self._watch_pid = 0
 
@@ -206,17 +214,67 @@ class SentinelNode(Node):
                 manager = cast(Any, self.client.connection_pool).sentinel_manager
                 self._watch = SwitchWatch(self, manager)
 
-    def switched_to(self, address: tuple[str, int]) -> None:
-        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`)."""
-        if address == self.announced:
-            return  # every sentinel announces the same switch
-        self.announced = address
+    @property
+    def announced(self) -> tuple[str, int] | None:
+        """The master address last announced by a sentinel; None until one is."""
+        announcement = self._announcement
+        return announcement[0] if announcement is not None else None
+
+    def switched_to(self, address: tuple[str, int], epoch: int | None = None) -> None:
+        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`), under
+        configuration epoch ``epoch`` (None: unknown). An announcement older than the one
+        heard before (a lower epoch, from a sentinel that lags) is ignored."""
+        before = self._announcement
+        if before is not None:
+            known = before[1]
+            if epoch is not None and known is not None and epoch < known:
+                log.info(
+                    "%s: a sentinel announced %s:%d under an older configuration (epoch %d < "
+                    "%d); ignored",
+                    self.shown,
+                    *address,
+                    epoch,
+                    known,
+                )
+                return
+            if address == before[0]:  # every sentinel announces the same switch
+                if epoch is not None and (known is None or epoch > known):
+                    self._announcement = (address, epoch)
+                return
+        self._announcement = (address, epoch)
         log.warning(
             "%s: the sentinels announced a new master, %s:%d; connections to any other "
             "address are dropped before their next command",
             self.shown,
             *address,
         )
+        self._switched()
+
+    def overtaken(self, conn: Connection) -> bool:
+        from celery_dlock.failover import newer_master
+
+        announcement = self._announcement
+        if announcement is None:
+            return True
+        manager = cast(Any, self.client.connection_pool).sentinel_manager
+        address = (conn.host, conn.port)
+        epoch = newer_master(manager, self.service, announcement, address)
+        if epoch is None:
+            return False
+        self._announcement = (address, epoch)
+        log.warning(
+            "%s: the sentinels now name %s:%d master under a newer configuration (epoch %d) "
+            "than %s:%d, the master last announced here: an announcement was missed "
+            "(not yet subscribed, or the subscriptions were down); following them",
+            self.shown,
+            *address,
+            epoch,
+            *announcement[0],
+        )
+        self._switched()
+        return True
+
+    def _switched(self) -> None:
         for hook in switch_hooks:
             try:
                 hook(self)
@@ -261,7 +319,7 @@ def _demoted(reply: Reply) -> bool:
 def _connect(node: Node, conn: Connection) -> None:
     """``conn.connect()``, refusing a Sentinel node's connection to a master since replaced."""
     conn.connect()
-    if node.watched and node.switched(conn):
+    if node.watched and node.switched(conn) and not node.overtaken(conn):
         conn.disconnect()
         raise MasterSwitched(
             f"{node.shown}: a sentinel still names {conn.host}:{conn.port}, but another "
