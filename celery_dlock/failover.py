@@ -113,6 +113,11 @@ class SwitchWatch:
         if client in sentinels:
             sentinels[:] = [client, *(s for s in sentinels if s is not client)]
         address = (parts[3], int(parts[4]))
+        before = self._node._announcement
+        if before is None or before[1] is None:
+            # Nothing to compare an epoch with: act at once, then learn the epoch (a sentinel
+            # slow to answer must not delay the switch).
+            self._node.switched_to(address)
         self._node.switched_to(address, _epoch(client, self._node.service, address))
 
 
