@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from celery import __version__ as _celery_version
 from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.signals import beat_init
 
@@ -61,6 +62,9 @@ TICK_MARGIN = 1.0
 #: How far back to look for a crontab's latest fire time, widening until one is found.
 _LOOKBACK = (60.0, 3600.0, 86400.0, 32 * 86400.0, 367 * 86400.0)
 _MAX_STEPS = 2000
+#: Celery before 5.7 sends a crontab run whose wall-clock time a spring-forward change skipped
+#: early, by the shift (Europe/Berlin's daily 02:30 on the change day at 03:00 CEST, not 03:30).
+_EARLY_AFTER_SPRING_FORWARD = tuple(int(p) for p in _celery_version.split(".")[:2]) < (5, 7)
 
 _current = threading.local()  # the send under way in the beat thread
 
@@ -164,10 +168,32 @@ def _crontab_window(schedule: Any, now: float) -> tuple[float, float] | None:
         for _ in range(_MAX_STEPS):
             following = next_after(fire)
             if following > now:
+                early = following - now
+                if (
+                    _EARLY_AFTER_SPRING_FORWARD
+                    and early < now - fire
+                    and early <= _spring(zone, fire, following)
+                ):
+                    # Closer to the next run than to the one before, by no more than the
+                    # clocks went forward: that early send is the next run's, not a late one
+                    # of the run before (whose tick key lives until the next run).
+                    return following, next_after(following)
                 return fire, following
             fire = following
         return None
     return None
+
+
+def _spring(zone: Any, before: float, after: float) -> float:
+    """Seconds the clocks of ``zone`` went forward between two moments (0 if they did not)."""
+    try:
+        first = datetime.fromtimestamp(before, tz=zone).utcoffset()
+        second = datetime.fromtimestamp(after, tz=zone).utcoffset()
+    except Exception:
+        return 0.0
+    if first is None or second is None:
+        return 0.0
+    return max((second - first).total_seconds(), 0.0)
 
 
 def current_tick() -> Tick | None:

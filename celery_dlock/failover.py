@@ -13,6 +13,14 @@ already keeps). When one announces a new master for the service, the node record
 process sends anything to another address: each is dropped at its next use and opened again
 through the sentinels, the announcing one asked first, and the renewal watchdog renews this
 node's leases at once, on the new master.
+
+Each announcement is paired with the configuration epoch the announcing sentinel gives it
+(``SENTINEL MASTERS``, which redis-py's master lookup uses anyway). An older one (a sentinel
+that lags) is ignored; and a connection the sentinels send to another master is followed,
+not refused, when they name it under a newer epoch: a failover this process did not hear
+(a pool process forked after its parent heard one failover, then a second one before it
+subscribed; subscriptions down during a failover), which would otherwise refuse the master
+for good.
 """
 
 from __future__ import annotations
@@ -104,7 +112,61 @@ class SwitchWatch:
         sentinels = self._manager.sentinels
         if client in sentinels:
             sentinels[:] = [client, *(s for s in sentinels if s is not client)]
-        self._node.switched_to((parts[3], int(parts[4])))
+        address = (parts[3], int(parts[4]))
+        before = self._node._announcement
+        if before is None or before[1] is None:
+            # Nothing to compare an epoch with: act at once, then learn the epoch (a sentinel
+            # slow to answer must not delay the switch).
+            self._node.switched_to(address)
+        self._node.switched_to(address, _epoch(client, self._node.service, address))
+
+
+def _view(client: Any, service: str) -> tuple[tuple[str, int], int] | None:
+    """The master ``client``'s sentinel names for ``service`` and its configuration epoch
+    (``SENTINEL MASTERS``, which redis-py's master lookup needs anyway); None if it cannot
+    say."""
+    try:
+        state = client.sentinel_masters().get(service)
+        if not state:
+            return None
+        return (str(state["ip"]), int(state["port"])), int(state["config-epoch"])
+    except (RedisError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _epoch(client: Any, service: str, address: tuple[str, int]) -> int | None:
+    """The configuration epoch under which the sentinel that just announced ``address``
+    names it master; None if it cannot say, or already names another."""
+    view = _view(client, service)
+    return view[1] if view is not None and view[0] == address else None
+
+
+def newer_master(
+    manager: Any,
+    service: str,
+    announcement: tuple[tuple[str, int], int | None],
+    address: tuple[str, int],
+) -> int | None:
+    """The epoch under which a sentinel names ``address`` master, if that configuration is
+    newer than ``announcement`` (the master last announced here, with its epoch); else None.
+
+    A connection that a sentinel sent to another address than the one announced is either
+    following a sentinel that lags behind the announcement (an older epoch: refused) or one
+    that moved on through a failover this process did not hear (a newer epoch: followed).
+    When the announcement's epoch is unknown, the newest epoch any sentinel gives the
+    announced address stands for it; if none names that address any more, a majority of the
+    sentinels listed must name ``address``.
+    """
+    announced, floor = announcement
+    sentinels = list(manager.sentinels)
+    views = [view for client in sentinels if (view := _view(client, service))]
+    naming = [epoch for named, epoch in views if named == address]
+    if floor is None:
+        floor = max((epoch for named, epoch in views if named == announced), default=None)
+        if floor is None:  # none names the announced master: follow a majority, if any
+            return max(naming) if len(naming) > len(sentinels) // 2 else None
+    newer = [epoch for epoch in naming if epoch > floor]
+    return max(newer) if newer else None
 
 
 def _address(client: Any) -> str:

@@ -156,6 +156,11 @@ class Node:
         """True if ``conn`` reaches a server its sentinels no longer call master."""
         return False
 
+    def overtaken(self, conn: Connection) -> bool:
+        """True if the sentinels name ``conn``'s server master under a newer configuration
+        than the master this process heard announced (:class:`SentinelNode`)."""
+        return False
+
 
 #: Hear Sentinel's ``+switch-master`` announcements (:mod:`celery_dlock.failover`); tests turn
 #: it off to show what the other failover signals (``READONLY``, closed connections) do alone.
@@ -172,7 +177,9 @@ class SentinelNode(Node):
     (:class:`celery_dlock.failover.SwitchWatch`). Once one names a new master, a connection to
     any other address is dropped before its next command and opened again through the
     sentinels; one that the sentinels still send elsewhere (a sentinel lagging behind the
-    announcement) fails, unsent, rather than act on the old master. A script refused with
+    announcement) fails, unsent, rather than act on the old master, unless a sentinel names
+    that master under a newer configuration epoch than the announcement's (a failover this
+    process did not hear: :meth:`overtaken`). A script refused with
     ``READONLY`` (a master demoted by ``REPLICAOF`` keeps its clients) also drops the
     connection and asks the sentinels again (:func:`run_script`).
     """
@@ -182,8 +189,9 @@ class SentinelNode(Node):
     def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
         super().__init__(url, timeout, prefix)
         self.service = self.endpoint.service
-        #: The master address last announced by a sentinel; None until one is.
-        self.announced: tuple[str, int] | None = None
+        #: The master address last announced by a sentinel, with the configuration epoch the
+        #: announcing sentinel gave for it (None if it could not be asked); None until one is.
+        self._announcement: tuple[tuple[str, int], int | None] | None = None
         self._watch: Any = None
         self._watch_pid = 0
 
@@ -206,17 +214,67 @@ class SentinelNode(Node):
                 manager = cast(Any, self.client.connection_pool).sentinel_manager
                 self._watch = SwitchWatch(self, manager)
 
-    def switched_to(self, address: tuple[str, int]) -> None:
-        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`)."""
-        if address == self.announced:
-            return  # every sentinel announces the same switch
-        self.announced = address
+    @property
+    def announced(self) -> tuple[str, int] | None:
+        """The master address last announced by a sentinel; None until one is."""
+        announcement = self._announcement
+        return announcement[0] if announcement is not None else None
+
+    def switched_to(self, address: tuple[str, int], epoch: int | None = None) -> None:
+        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`), under
+        configuration epoch ``epoch`` (None: unknown). An announcement older than the one
+        heard before (a lower epoch, from a sentinel that lags) is ignored."""
+        before = self._announcement
+        if before is not None:
+            known = before[1]
+            if epoch is not None and known is not None and epoch < known:
+                log.info(
+                    "%s: a sentinel announced %s:%d under an older configuration (epoch %d < "
+                    "%d); ignored",
+                    self.shown,
+                    *address,
+                    epoch,
+                    known,
+                )
+                return
+            if address == before[0]:  # every sentinel announces the same switch
+                if epoch is not None and (known is None or epoch > known):
+                    self._announcement = (address, epoch)
+                return
+        self._announcement = (address, epoch)
         log.warning(
             "%s: the sentinels announced a new master, %s:%d; connections to any other "
             "address are dropped before their next command",
             self.shown,
             *address,
         )
+        self._switched()
+
+    def overtaken(self, conn: Connection) -> bool:
+        from celery_dlock.failover import newer_master
+
+        announcement = self._announcement
+        if announcement is None:
+            return True
+        manager = cast(Any, self.client.connection_pool).sentinel_manager
+        address = (conn.host, conn.port)
+        epoch = newer_master(manager, self.service, announcement, address)
+        if epoch is None:
+            return False
+        self._announcement = (address, epoch)
+        log.warning(
+            "%s: the sentinels now name %s:%d master under a newer configuration (epoch %d) "
+            "than %s:%d, the master last announced here: an announcement was missed "
+            "(not yet subscribed, or the subscriptions were down); following them",
+            self.shown,
+            *address,
+            epoch,
+            *announcement[0],
+        )
+        self._switched()
+        return True
+
+    def _switched(self) -> None:
         for hook in switch_hooks:
             try:
                 hook(self)
@@ -261,7 +319,7 @@ def _demoted(reply: Reply) -> bool:
 def _connect(node: Node, conn: Connection) -> None:
     """``conn.connect()``, refusing a Sentinel node's connection to a master since replaced."""
     conn.connect()
-    if node.watched and node.switched(conn):
+    if node.watched and node.switched(conn) and not node.overtaken(conn):
         conn.disconnect()
         raise MasterSwitched(
             f"{node.shown}: a sentinel still names {conn.host}:{conn.port}, but another "
@@ -896,12 +954,15 @@ def _send_unanswered(
 ) -> bool:
     """Send ``name`` so that the server writes no reply; False where that is not possible.
 
-    Not on a Redis Cluster shard, whose ``MOVED`` reply must be seen to reach the key. The
-    first time on a connection the command goes out with a probe (a trivial script after it):
-    an ACL user without ``CLIENT REPLY`` gets an error for it and every reply comes back, and
-    the probe's reader then turns skipping off for that connection (see :func:`_read_probe`).
+    Not on a Redis Cluster shard, whose ``MOVED`` reply must be seen to reach the key, nor on
+    a Sentinel node, whose ``READONLY`` reply (a master demoted by ``REPLICAOF``) must be seen
+    to send the command again to the new master: a skipped refusal would be confirmed by the
+    next reply on the connection and the key left there until its ttl. The first time on a
+    connection the command goes out with a probe (a trivial script after it): an ACL user
+    without ``CLIENT REPLY`` gets an error for it and every reply comes back, and the probe's
+    reader then turns skipping off for that connection (see :func:`_read_probe`).
     """
-    if node.owner is not None:
+    if node.owner is not None or node.watched:
         return False
     able = _skippable(conn)
     if able is False:
@@ -1064,28 +1125,49 @@ def _owed(conn: Connection) -> list[_Owed]:
     return owed
 
 
-def _drain(node: Node, conn: Connection) -> None:
+def _drain(node: Node, conn: Connection, *, more: bool = False) -> bool:
     """Read the replies ``conn`` still owes (see :func:`send_script`); drop it on trouble.
 
     A deferred call's reply (an error reply included) goes to its :class:`Deferred`; a
     connection that fails, or a read that is interrupted, is dropped, and the deferred calls
     still waiting get the error as their reply.
+
+    On a Sentinel node, a reply that says the server is a replica now (``READONLY``) confirms
+    nothing: the server refused what was sent before it too. The connection is then dropped,
+    so the tracked commands go again (:func:`_resend_lost`) to the master the sentinels name
+    next; with ``more`` (a command's reply is still to come on it) the caller drops it after
+    reading that reply. Returns True in that case.
     """
     owed = _owed(conn)
     if not owed:
-        return
+        return False
     failure: BaseException | None = None
+    refused = False
     try:
         if not is_connected(conn):
             failure = RedisConnectionError(f"connection to {node.shown} lost")
-            return
+            return False
         while owed:
             entry = owed[0]
             reply = _read_owed(node, conn, entry)
             owed.pop(0)
-            _settle(conn)  # a reply came: what was sent before it on this socket arrived
+            if node.watched and _demoted(reply):
+                refused = True
+            elif not refused:
+                _settle(conn)  # a reply came: what was sent before it on this socket arrived
             if entry.deferred is not None:
                 entry.deferred.settle(reply)
+        if refused:
+            log.warning(
+                "%s: %s:%s is no longer the master; what it refused goes to the master the "
+                "sentinels name next",
+                node.shown,
+                conn.host,
+                conn.port,
+            )
+            if not more:
+                conn.disconnect()
+        return refused
     except (RedisError, OSError) as exc:
         log.debug("reply owed by %s lost: %s", node.shown, exc)
         failure = exc
@@ -1100,6 +1182,7 @@ def _drain(node: Node, conn: Connection) -> None:
                 if entry.deferred is not None and not entry.deferred.done:
                     entry.deferred.settle(failure or RedisConnectionError("connection lost"))
             owed.clear()  # tracked commands among them are sent again (_resend_lost)
+    return False
 
 
 def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
@@ -1119,6 +1202,8 @@ def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
         node.owner.reload_later()
         return node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
     except ResponseError as exc:
+        if node.watched and _demoted(exc):
+            return exc  # a replica now: _drain has it sent again elsewhere
         if entry.deferred is None and not entry.must:
             raise
         if entry.must:  # refused, not lost: sending it again cannot help
@@ -1210,8 +1295,7 @@ def _reply(node: Node, conn: Connection) -> Reply:
     """The reply to the command just sent on ``conn`` (after any sent again ahead of it), or
     the exception that stands in for it. A reply read confirms the reply-less commands sent
     before it on this socket."""
-    if getattr(conn, "_dlock_owed", None):
-        _drain(node, conn)
+    refused = bool(getattr(conn, "_dlock_owed", None)) and _drain(node, conn, more=True)
     try:
         reply = conn.read_response()
     except ResponseError as exc:  # an error reply is still a reply
@@ -1223,6 +1307,9 @@ def _reply(node: Node, conn: Connection) -> Reply:
         reply = exc
     except (RedisError, OSError) as exc:
         return exc
+    if refused:  # a replica refused what went before: nothing is confirmed (see _drain)
+        conn.disconnect()
+        return reply
     sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
     if sent:
         sent.clear()  # confirmed (see _settle)

@@ -174,6 +174,28 @@ class Group:
             s.master_port() == new for s in self.sentinels
         ))  # fmt: skip
 
+    def switch_back(self) -> None:
+        """After :meth:`switch` and :meth:`demote_by_hand`: ``SENTINEL FAILOVER`` again, back to
+        the first master, once the sentinels will promote it (asked again while they answer
+        that a failover is in progress or that no replica is fit); returns once every sentinel
+        names it master."""
+        old = self.master.port
+
+        def started() -> bool:
+            try:
+                self.sentinels[0].client.execute_command("SENTINEL", "FAILOVER", SERVICE)
+            except redis.ResponseError:  # INPROG, NOGOODSLAVE: not yet
+                return False
+            return True
+
+        poll("the sentinels to see the old master as a replica", lambda: all(
+            s.knows_replica(old) for s in self.sentinels
+        ))  # fmt: skip
+        poll("a failover back to start", started)
+        poll("the sentinels to name the old master again", lambda: all(
+            s.master_port() == old for s in self.sentinels
+        ))  # fmt: skip
+
     def demote_by_hand(self) -> None:
         """What an operator does instead of waiting for Sentinel: ``REPLICAOF`` the new
         master on the old one. Unlike Sentinel's demotion, it keeps its clients."""

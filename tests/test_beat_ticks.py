@@ -114,8 +114,39 @@ def test_a_daily_crontab_across_daylight_saving_changes() -> None:
     # Spring: 02:30 does not exist on 2026-03-29; that day's run comes at 03:30 CEST (01:30
     # UTC), and the one after 23 h later.
     spring = datetime(2026, 3, 29, 1, 30, tzinfo=timezone.utc).timestamp()
-    assert tick_slot(entry, now=spring - 60)[2] == spring
+    assert tick_slot(entry, now=spring - 7200)[2] == spring  # (within the hour before it, a
+    # send on Celery before 5.7 is that run's early one: see the spring-forward test below)
     assert tick_gap(entry, now=spring) == pytest.approx(23 * 3600)
+
+
+def celery_sends_next(every: Any, clock: list[datetime], last: datetime) -> datetime:
+    """When this Celery's beat sends the run after ``last``: its own ``is_due``, stepped a
+    minute at a time on the schedule's clock (``nowfun``)."""
+    zone = last.tzinfo
+    utc = last.astimezone(timezone.utc)  # steps of real time: aware arithmetic is wall-clock
+    while True:
+        utc += timedelta(minutes=1)
+        clock[0] = utc.astimezone(zone)
+        if every.is_due(last).is_due:
+            return clock[0]
+
+
+def test_the_spring_forward_days_run_gets_a_slot_of_its_own() -> None:
+    # Europe/Berlin, daily 02:30: 02:30 does not exist on 2026-03-29. Whenever this Celery
+    # sends that day's run (5.7: 03:30 CEST; 5.3 to 5.6: 03:00 CEST, early by the shift), it
+    # must not fall in the slot of the day before, whose tick key lives until 03:30: the
+    # day's only run would be dropped as a duplicate.
+    app = zoned_app("Europe/Berlin")
+    last = datetime(2026, 3, 28, 2, 30, tzinfo=ZoneInfo("Europe/Berlin"))
+    clock = [last]
+    every_day = crontab(minute=30, hour=2, app=app, nowfun=lambda: clock[0])
+    entry = entry_of(app, "daily", "t", every_day)
+    sent = celery_sends_next(every_day, clock, last)
+    assert sent.date() == last.date() + timedelta(days=1), sent
+    assert (
+        tick_slot(entry, now=sent.timestamp() + 0.3)[0]
+        != tick_slot(entry, now=last.timestamp() + 0.3)[0]
+    ), sent
 
 
 def test_tick_gaps_and_margins() -> None:

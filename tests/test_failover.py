@@ -16,6 +16,7 @@ operator does it by hand.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import Counter
@@ -152,7 +153,9 @@ def test_a_planned_failover_keeps_one_holder(group: Group, celery_base: str, dem
             assert min(prober.got) > released[prober.key], (prober.key, prober.got)
 
         check_worker(group, journal, sender)
-        for beat in beats:
+        # The followers first: a leader stopped first releases its lease as it exits, and a
+        # follower still running would then lead (and log it) before it is stopped.
+        for beat in sorted(beats, key=lambda b: " is the leader " in b.log()):
             beat.stop()
         check_beats(journal, switched, beats)
     finally:
@@ -218,3 +221,74 @@ def test_a_script_refused_readonly_asks_the_sentinels_again(
         lease.release()
         manager.close()
     assert on_master(group.replica.port, "ro") is None
+
+
+def test_a_reply_less_release_refused_readonly_reaches_the_new_master(
+    group: Group, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the announcements unheard, a master demoted by ``REPLICAOF`` refuses the
+    end-of-task release (``wait=False``, no reply read) with ``READONLY``. The release must
+    still free the key on the new master, even when the thread's next command (the next
+    task's acquire) comes at once."""
+    monkeypatch.setattr(transport, "HEAR_SWITCHES", False)
+    manager = LockManager(Settings(urls=(group.url,)))
+    try:
+        lease = manager.acquire("ro-release", ttl=30)
+        poll("the lock to reach the replica", lambda: on_master(group.replica.port, "ro-release"))
+        group.switch()
+        group.demote_by_hand()
+        lease.release(wait=False)
+        manager.acquire("ro-next", ttl=30, renew=False).release()
+        poll(
+            "the release to reach the new master",
+            lambda: on_master(group.replica.port, "ro-release") is None,
+            3,
+        )
+    finally:
+        manager.close()
+
+
+def test_a_child_forked_between_two_failovers_follows_the_second(group: Group) -> None:
+    """A pool process forked after its parent heard one failover inherits what the parent
+    heard. If a second failover (back to the first master) happens before the child first
+    uses the lock, and so before it subscribes, the child must follow the sentinels to the
+    master they name now: it missed that announcement, but a master announced before it
+    must not be held against a newer one for ever."""
+    manager = LockManager(Settings(urls=(group.url,)))
+    node = manager.nodes[0]
+    assert isinstance(node, transport.SentinelNode)
+    try:
+        manager.acquire("fork-a", ttl=5, renew=False).release()  # subscribes this process
+        group.switch()
+        poll("the switch to be heard", lambda: node.announced == ("127.0.0.1", group.replica.port))
+        group.demote_by_hand()
+        go_read, go_write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through its exit status
+            code = 3
+            try:
+                os.close(go_write)
+                os.read(go_read, 1)  # until the second failover is done
+                deadline = time.monotonic() + 5
+                code = 1
+                while time.monotonic() < deadline:
+                    try:
+                        manager.acquire("fork-b", ttl=5, renew=False).release()
+                    except LockUnavailable:
+                        time.sleep(0.1)  # the retry rate of a caller, not synchronisation
+                        continue
+                    code = 0
+                    break
+            finally:
+                os._exit(code)
+        os.close(go_read)
+        group.switch_back()
+        os.write(go_write, b"x")
+        os.close(go_write)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child never reached the master"
+        back = ("127.0.0.1", group.master.port)
+        poll("the second switch heard here", lambda: node.announced == back)
+        manager.acquire("fork-c", ttl=5, renew=False).release()
+    finally:
+        manager.close()
