@@ -241,8 +241,8 @@ end
 return out
 """
 
-#: An operator's forced release: blacklist the holder's acquisition rather than only delete it
-#: (seed 000), so its next renewal reports the lease lost instead of re-taking the key.
+#: An operator's forced release: blacklist the holder's acquisition rather than only delete it,
+#: so its next renewal reports the lease lost instead of re-taking the key.
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] waiter signal list, KEYS[4] the
 #: revoked marker of the acquisition (named after its token). ARGV[1] that token, ARGV[2]

@@ -1,5 +1,5 @@
-"""The example project: seed 002's replication service and metadata-table collector, written
-with celery_dlock, and the demo that runs them against their plain-Celery twins.
+"""The example project: a production team's replication service and metadata-table
+collector, written with celery_dlock, and the demo that runs them against their plain-Celery twins.
 
 * :mod:`example_project.tasks` — the tasks (the part to copy);
 * :mod:`example_project.metadata` — the metadata table with fenced writes;

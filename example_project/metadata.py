@@ -1,4 +1,4 @@
-"""The metadata table of a data collector (seed 002), with fenced writes (seed 000's IOFence).
+"""The metadata table of a data collector, with fenced writes (a fencing-token check).
 
 One row per collection job: which source and entity, the time window to collect, its status,
 how many attempts it took, and the fencing token of the last execution that claimed it.
@@ -80,7 +80,7 @@ def assign(
 
     Safe only under the (source, entity) lock: a row found ``running`` is taken over because
     whoever ran it no longer holds the lock. The read and the write are separate statements
-    on purpose — that is the read-modify-write the lock protects (seed 002).
+    on purpose — that is the read-modify-write the lock protects.
     """
     row = conn.execute(
         "SELECT id, status, attempts FROM jobs WHERE source = ? AND entity = ? AND window = ? "
@@ -110,7 +110,7 @@ def assign(
 def finish(conn: sqlite3.Connection, job: Job, status: str, items: int, *, fenced: bool) -> bool:
     """Write a job's result with the claimer's token; False if the write was refused.
 
-    ``fenced=True`` is seed 000's IOFence: the row takes the write only if the token is at
+    ``fenced=True`` is a fencing-token check: the row takes the write only if the token is at
     least the one it holds, in one statement. ``fenced=False`` is what code without fencing
     does; the write is recorded either way, so stale writes that got through can be counted.
     """

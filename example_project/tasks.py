@@ -1,4 +1,4 @@
-"""The two jobs of seed 002, each written twice: as plain Celery tasks and with celery_dlock.
+"""The two jobs of the example, each written twice: as plain Celery tasks and with celery_dlock.
 
 * **Replication** (an application-level lock): one pipeline that must run in one instance
   cluster-wide. Beat sends it every second; a run takes longer than that.
@@ -57,7 +57,8 @@ def replication_pipeline(step: Any = None) -> None:
     lock_key="replication",  # one key for the whole cluster: an application-level lock
     lock_ttl=3,
     # Another worker that receives it while a run is under way drops out (the result says
-    # which task holds the lock); "wait" makes it stand by instead, as seed 002's service does.
+    # which task holds the lock); "wait" makes it stand by instead, as the original replication
+    # service does.
     on_duplicate=os.environ.get("EXAMPLE_REPLICATION_POLICY", "drop"),
     lock_wait=10,
 )

@@ -3,7 +3,8 @@
 The replica replicates through :class:`LinkProxy`, a TCP relay in the test process that can
 hold back what the master sends. That makes the asynchronous-replication case exact instead
 of a race: freeze the link, take a lock on the master, fail over, and the new master never
-saw the lock (seed 001: why a failover can lose a lock, and why Redlock exists).
+saw the lock (redis.io's distributed-locks page: why a failover can lose a lock, and why
+Redlock exists).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ app.conf.update(
     result_expires=3600,
 )
 
-# The fenced store (seed 000's IOFence) plus a per-job idempotency check, in one script:
+# The fenced store (fencing tokens) plus a per-job idempotency check, in one script:
 # a write carrying a token older than the key's latest is refused; a job applied before is
 # not applied again. Every attempt is logged with the writer's clock.
 WRITE = """

@@ -10,7 +10,7 @@ a steady rate over a few hot keys, and faults from a schedule:
 * ``restart-redis-N``: N lock servers (Redlock, N a minority) stop, and come back with empty
   data after more than a ttl (the delayed restart the docs require);
 * ``outage-redis``: the single Redis stops and comes back empty after more than a ttl
-  (seed 002's lock-loss case, under the delayed-restart condition);
+  (a lock lost with its server, under the delayed-restart condition);
 * ``pause-redis-long``: the single Redis frozen for longer than a ttl;
 
 and jobs that freeze themselves between their last lease check and their write (a GC pause),
