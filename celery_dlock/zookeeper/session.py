@@ -1,0 +1,264 @@
+"""One kazoo client per process and ZooKeeper URL, shared by every lease; its session's
+states mapped onto the leases it holds.
+
+A lock node is *ephemeral*: it lives exactly as long as the session that created it
+(https://zookeeper.apache.org/doc/current/zookeeperProgrammers.html#Ephemeral+Nodes). So a
+lease is exactly as good as its session, and kazoo's three states say how good that is
+(https://kazoo.readthedocs.io/en/latest/basic_usage.html#understanding-kazoo-states):
+
+* ``CONNECTED`` — the session is live: the lease is valid with no end on our side
+  (``valid_for`` is infinite, unless ``max_hold`` bounds it); nothing needs renewing.
+* ``SUSPENDED`` — the connection is gone and the session may or may not still be alive on the
+  servers. kazoo declares this when a heartbeat ping has gone unanswered (it pings after a third
+  of the session timeout without traffic, and gives up on the ping after another third), so the
+  servers heard from us no earlier than ``read_timeout`` = 2/3 of the *negotiated* session
+  timeout before the suspension. The session therefore cannot expire on the servers before
+  ``suspended_at + timeout/3``: each lease's validity is cut to that, minus the clock-drift
+  allowance, and the watchdog reports it lost (interrupting a task body with ``LockLost``) when
+  it runs out. If the connection comes back with the same session first, the cut is lifted.
+* ``LOST`` — the session expired: its nodes are gone and another client may hold the key. Every
+  lease is reported lost at once.
+
+After ``fork()`` a child never uses its parent's client (its threads did not survive the fork
+and its socket is shared with the parent): the first use in the child makes a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
+from kazoo.security import make_digest_acl
+
+from celery_dlock import forks
+from celery_dlock.config import drift
+from celery_dlock.errors import LockUnavailable
+from celery_dlock.renewal import watchdog
+from celery_dlock.zookeeper.url import ZkUrl
+
+if TYPE_CHECKING:
+    from celery_dlock.zookeeper.lock import ZkLease
+
+log = logging.getLogger("celery_dlock.zookeeper")
+
+#: Errors of a kazoo call: the server's answers and a reply that did not come in time.
+KAZOO_ERRORS: tuple[type[BaseException], ...] = (KazooException, KazooTimeoutError)
+#: The same, and the connection not coming up at all.
+UNREACHABLE: tuple[type[BaseException], ...] = (*KAZOO_ERRORS, LockUnavailable)
+
+#: kazoo's own share of the negotiated session timeout after which it gives up on a server
+#: (``read_timeout`` in kazoo/protocol/connection.py).
+READ_TIMEOUT_SHARE = 2.0 / 3.0
+
+
+class _SessionLog(logging.Filter):
+    """Reads the negotiated session timeout from kazoo's "Session created" record.
+
+    kazoo keeps the timeout the servers granted only in a local variable and logs it (at its
+    BLATHER level, 5); the servers may grant less than was asked (``maxSessionTimeout``), and
+    a validity computed from the asked-for timeout would then outlive the session.
+    """
+
+    def __init__(self, shared: SharedClient) -> None:
+        super().__init__()
+        self._shared = shared
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args: Any = record.args
+        created = isinstance(record.msg, str) and record.msg.startswith("Session created")
+        if created and isinstance(args, tuple) and len(args) >= 3:
+            with contextlib.suppress(TypeError, ValueError):
+                self._shared.negotiated = float(args[2]) / 1000.0
+        return record.levelno >= logging.DEBUG  # BLATHER records go no further
+
+
+class SharedClient:
+    """The process's kazoo client for one ensemble (servers, credentials, timeout)."""
+
+    def __init__(self, url: ZkUrl) -> None:
+        self.url = url
+        self.pid = forks.pid()
+        #: Session timeout granted by the servers (seconds); the asked-for one until known.
+        self.negotiated: float = url.timeout
+        self.leases: set[ZkLease] = set()
+        #: Paths of nodes this process has released but whose delete was not confirmed.
+        self.owed: set[str] = set()
+        #: Events of threads waiting for a predecessor; set on LOST (their watch never fires).
+        self.waiters: set[threading.Event] = set()
+        self.lock = threading.RLock()
+        self.suspended_at: float | None = None
+        self.acl = (
+            [make_digest_acl(url.user, url.password, all=True)]
+            if url.user is not None and url.password is not None
+            else None
+        )
+        kazoo_log = logging.getLogger(f"celery_dlock.zookeeper.kazoo.{id(self):x}")
+        kazoo_log.setLevel(5)
+        kazoo_log.addFilter(_SessionLog(self))
+        kazoo_log.propagate = False
+        kazoo_log.addHandler(_Forward(logging.getLogger("celery_dlock.zookeeper.kazoo")))
+        self.client = KazooClient(
+            hosts=url.connect_string,
+            timeout=url.timeout,
+            auth_data=(
+                [("digest", f"{url.user}:{url.password}")] if url.user is not None else None
+            ),
+            # Reconnect without end, quickly: a lease's validity is counting down meanwhile.
+            connection_retry=KazooRetry(
+                max_tries=-1, delay=0.05, backoff=1.5, max_delay=max(0.1, url.timeout / 8)
+            ),
+            logger=kazoo_log,
+        )
+        self.client.add_listener(self._on_state)
+        self._started = False
+
+    # -- connection --------------------------------------------------------------------------
+
+    @property
+    def op_timeout(self) -> float:
+        """How long one request may wait for its reply: the session timeout."""
+        return self.negotiated
+
+    def start(self) -> KazooClient:
+        """The connected client; :class:`LockUnavailable` when no server answers in time."""
+        if self._started:
+            return self.client
+        with self.lock:
+            if not self._started:
+                try:
+                    self.client.start(timeout=self.url.timeout)
+                except KAZOO_ERRORS as exc:
+                    self.client.stop()
+                    raise LockUnavailable(
+                        f"cannot connect to ZooKeeper at {self.url.shown}: {exc or type(exc)}",
+                        errors=[(self.url.shown, str(exc) or type(exc).__name__)],
+                    ) from exc
+                self._started = True
+        return self.client
+
+    def stop(self) -> None:
+        """Close the session (its nodes go at once) and the connection."""
+        with self.lock:
+            if self._started and self.pid == forks.pid():
+                self.client.stop()
+                self.client.close()
+            self._started = False
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def safe_until(self, suspended_at: float) -> float:
+        """The monotonic time before which the session cannot have expired on the servers,
+        for a connection kazoo declared lost at ``suspended_at`` (see the module docstring)."""
+        timeout = self.negotiated
+        last_heard = suspended_at - READ_TIMEOUT_SHARE * timeout
+        return last_heard + timeout - drift(timeout)
+
+    def add(self, lease: ZkLease) -> None:
+        with self.lock:
+            self.leases.add(lease)
+            if self.suspended_at is not None:  # won just as the connection went
+                lease.suspend(self.safe_until(self.suspended_at))
+
+    def discard(self, lease: ZkLease) -> None:
+        with self.lock:
+            self.leases.discard(lease)
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's session listener (on kazoo's connection thread: nothing here may block)."""
+        with self.lock:
+            leases = list(self.leases)
+            if state == KazooState.SUSPENDED:
+                now = time.monotonic()
+                self.suspended_at = now
+                until = self.safe_until(now)
+                log.warning(
+                    "ZooKeeper connection lost (%s); %d lease(s) valid for at most %.3f s more "
+                    "unless it comes back",
+                    self.url.shown,
+                    len(leases),
+                    max(0.0, until - now),
+                )
+                for lease in leases:
+                    lease.suspend(until)
+            elif state == KazooState.LOST:
+                self.suspended_at = None
+                self.leases.clear()
+                self.owed.clear()  # the session's nodes are gone with it
+                for event in self.waiters:
+                    event.set()
+                for lease in leases:
+                    watchdog.discard(lease)
+                    lease.mark_lost(
+                        "the ZooKeeper session expired: its lock node is gone and another "
+                        "client may hold the key"
+                    )
+            else:  # CONNECTED: the same session again (a new one follows LOST)
+                self.suspended_at = None
+                for lease in leases:
+                    lease.resume()
+                if self.owed:
+                    threading.Thread(
+                        target=self._pay_owed, name="dlock-zk-release", daemon=True
+                    ).start()
+
+    def _pay_owed(self) -> None:
+        """Delete the nodes whose release did not get through, now that we are back."""
+        with self.lock:
+            owed, self.owed = set(self.owed), set()
+        for path in owed:
+            try:
+                self.client.delete_async(path).get(timeout=self.op_timeout)
+            except NoNodeError:
+                pass
+            except KAZOO_ERRORS:
+                with self.lock:
+                    self.owed.add(path)
+
+
+class _Forward(logging.Handler):
+    """Passes kazoo's records (DEBUG and up) on to one logger of ours."""
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self._target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._target.isEnabledFor(record.levelno):
+            self._target.handle(record)
+
+
+_registry_lock = threading.Lock()
+_registry_pid = forks.pid()
+_clients: dict[tuple[str, str | None, str | None, float], SharedClient] = {}
+
+
+def shared(url: ZkUrl) -> SharedClient:
+    """The process's client for ``url``'s servers; a new one in a forked child."""
+    global _registry_pid
+    with _registry_lock:
+        if _registry_pid != forks.pid():
+            # Forked: the parent's clients (threads gone, socket shared) are not ours to use
+            # or to close; a close would end the parent's session.
+            _clients.clear()
+            _registry_pid = forks.pid()
+        key = url.client_key()
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = SharedClient(url)
+        return client
+
+
+def close_all() -> None:
+    """Stop every client of this process (tests; a process exit ends the sessions anyway)."""
+    with _registry_lock:
+        clients = list(_clients.values()) if _registry_pid == forks.pid() else []
+        _clients.clear()
+    for client in clients:
+        client.stop()
