@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -289,6 +290,8 @@ class ZooKeeperBackend:
         name = path.rsplit("/", 1)[1]
         try:
             waited_for = self._queue(client, session, key, parent, name, children, wait, begun)
+        except LockContended:
+            raise  # our node is already deleted (see _contended)
         except BaseException:
             self._abandon(client, session, path)
             raise
@@ -344,25 +347,24 @@ class ZooKeeperBackend:
             listing = client.get_children_async(parent)
         try:
             children = list(listing.get(timeout=timeout))
-        except NoNodeError:  # listed before makepath made the parent
-            children = list(client.get_children_async(parent).get(timeout=timeout))
-        if path.rsplit("/", 1)[1] not in children:  # the listing went before a makepath retry
-            children = list(client.get_children_async(parent).get(timeout=timeout))
+        except (NoNodeError, ConnectionLoss):  # listed before makepath made the parent, or lost
+            children = []
+        if path.rsplit("/", 1)[1] not in children:
+            children = list(session.call(lambda: client.get_children_async(parent)))
         return path, stat, children
 
     @staticmethod
     def _find(
         client: KazooClient, session: SharedClient, parent: str, nonce: str
     ) -> tuple[str, ZnodeStat] | None:
-        timeout = session.op_timeout
         try:
-            children = client.get_children_async(parent).get(timeout=timeout)
+            children = session.call(lambda: client.get_children_async(parent))
         except NoNodeError:
             return None
         for child in children:
             if child.startswith(f"{nonce}-"):
                 path = f"{parent}/{child}"
-                stat = client.exists_async(path).get(timeout=timeout)
+                stat = session.call(partial(client.exists_async, path))
                 return (path, stat) if stat is not None else None
         return None
 
@@ -380,7 +382,6 @@ class ZooKeeperBackend:
         """Wait until our node is the lowest; the seconds waited. Raises LockContended when
         ``wait`` runs out (our node is then deleted by the caller)."""
         deadline = None if wait is None else begun + wait
-        timeout = session.op_timeout
         while True:
             ordered = sorted(children, key=_seq)
             if name not in ordered:
@@ -403,10 +404,11 @@ class ZooKeeperBackend:
             try:
                 with session.lock:
                     session.waiters.add(woken)
-                if client.exists_async(predecessor, watch=wake).get(timeout=timeout) is not None:
+                watching = session.call(partial(client.exists_async, predecessor, watch=wake))
+                if watching is not None:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     woken.wait(left)
-                children = list(client.get_children_async(parent).get(timeout=timeout))
+                children = list(session.call(lambda: client.get_children_async(parent)))
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "wait for", exc) from exc
             finally:
@@ -423,14 +425,22 @@ class ZooKeeperBackend:
         name: str,
     ) -> LockContended:
         """The refusal, with the holder read while our node is deleted (one round trip)."""
-        reading = client.get_async(f"{parent}/{lowest}")
-        client.delete_async(f"{parent}/{name}")  # the caller's _abandon waits for it
+        path = f"{parent}/{lowest}"
+        sent = [client.get_async(path)]
+        deleting = client.delete_async(f"{parent}/{name}")
         holder: Holder | None = None
         try:
-            raw, stat = reading.get(timeout=session.op_timeout)
+            raw, stat = session.call(lambda: sent.pop() if sent else client.get_async(path))
             holder = read_holder(raw, stat)
         except KAZOO_ERRORS:
             holder = None  # released meanwhile, or unreadable: the refusal stands
+        try:
+            deleting.get(timeout=session.op_timeout)
+        except NoNodeError:
+            pass
+        except KAZOO_ERRORS:
+            with session.lock:
+                session.owed.add(f"{parent}/{name}")
         who = holder.describe() if holder else "another contender"
         return LockContended(f"lock {key!r} is held by {who}", key=key, holder=holder)
 

@@ -29,10 +29,12 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 from kazoo.security import make_digest_acl
@@ -94,6 +96,8 @@ class SharedClient:
         self.waiters: set[threading.Event] = set()
         self.lock = threading.RLock()
         self.suspended_at: float | None = None
+        #: Set while the session is connected.
+        self.connected = threading.Event()
         self.acl = (
             [make_digest_acl(url.user, url.password, all=True)]
             if url.user is not None and url.password is not None
@@ -126,6 +130,22 @@ class SharedClient:
         """How long one request may wait for its reply: the session timeout."""
         return self.negotiated
 
+    def call(self, send: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Send a request (``send()`` returns kazoo's async result) and wait for the reply,
+        sending it again after a ``ConnectionLoss``: the session (and our nodes) may well
+        survive a dropped connection, and kazoo holds a request until it reconnects. Only
+        for requests that are safe to repeat (reads, deletes). Waits ``timeout`` seconds
+        at most (the session timeout by default)."""
+        deadline = time.monotonic() + (self.op_timeout if timeout is None else timeout)
+        while True:
+            try:
+                return send().get(timeout=max(0.001, deadline - time.monotonic()))
+            except ConnectionLoss:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                self.connected.wait(min(left, 0.1))
+
     def start(self) -> KazooClient:
         """The connected client; :class:`LockUnavailable` when no server answers in time."""
         if self._started:
@@ -141,15 +161,17 @@ class SharedClient:
                         errors=[(self.url.shown, str(exc) or type(exc).__name__)],
                     ) from exc
                 self._started = True
+                self.connected.set()
         return self.client
 
     def stop(self) -> None:
         """Close the session (its nodes go at once) and the connection."""
         with self.lock:
-            if self._started and self.pid == forks.pid():
-                self.client.stop()
-                self.client.close()
-            self._started = False
+            started, self._started = self._started, False
+        # Not under self.lock: stopping waits for kazoo's thread, which calls _on_state.
+        if started and self.pid == forks.pid():
+            self.client.stop()
+            self.client.close()
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -174,6 +196,8 @@ class SharedClient:
         """kazoo's session listener (on kazoo's connection thread: nothing here may block)."""
         with self.lock:
             leases = list(self.leases)
+            if state != KazooState.CONNECTED:
+                self.connected.clear()
             if state == KazooState.SUSPENDED:
                 now = time.monotonic()
                 self.suspended_at = now
@@ -200,6 +224,7 @@ class SharedClient:
                         "client may hold the key"
                     )
             else:  # CONNECTED: the same session again (a new one follows LOST)
+                self.connected.set()
                 self.suspended_at = None
                 for lease in leases:
                     lease.resume()
@@ -214,7 +239,7 @@ class SharedClient:
             owed, self.owed = set(self.owed), set()
         for path in owed:
             try:
-                self.client.delete_async(path).get(timeout=self.op_timeout)
+                self.call(partial(self.client.delete_async, path))
             except NoNodeError:
                 pass
             except KAZOO_ERRORS:

@@ -1,0 +1,507 @@
+"""The ZooKeeper backend on real servers (Debian's zookeeper package, see tests/zookeeper.py).
+
+Each test asserts the behaviour its name states. Synchronisation is by polls with deadlines
+(:func:`until`), never by bare sleeps.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_dlock.errors import ConfigError, LockContended, LockLost
+from celery_dlock.lease import Lease
+from celery_dlock.zookeeper import ZooKeeperBackend, close_all, parse
+from celery_dlock.zookeeper.session import shared
+from tests.zookeeper import Ensemble, FaultProxy, ZkServer, ensemble, skip_reason, standalone
+
+REASON = skip_reason()
+needs_zk = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)  # a poll, bounded by the deadline
+
+
+# -- URLs (no server) ---------------------------------------------------------------------------
+
+
+def test_url_parses_hosts_chroot_credentials_and_timeout() -> None:
+    url = parse("zookeeper://me:s%40cret@h1:2181,h2,[::1]:2182/celery-dlock/x?timeout=7.5")
+    assert url.hosts == (("h1", 2181), ("h2", 2181), ("::1", 2182))
+    assert url.chroot == "/celery-dlock/x"
+    assert (url.user, url.password, url.timeout) == ("me", "s@cret", 7.5)
+    assert url.connect_string == "h1:2181,h2:2181,[::1]:2182"
+    assert "s@cret" not in url.shown
+    assert "s@cret" not in repr(url)
+    assert parse("zookeeper://h1").chroot == "/celery-dlock"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis://h1:6379", "not a zookeeper:// URL"),
+        ("zookeeper:///chroot", "names no server"),
+        ("zookeeper://h1:99999/x", "out of range"),
+        ("zookeeper://h1:2181,,h2/x", "is not host or host:port"),
+        ("zookeeper://h1,h1/x", "listed twice"),
+        ("zookeeper://h1/x?timeout=0", "not a positive number"),
+        ("zookeeper://h1/x?timout=3", "did you mean 'timeout'"),
+        ("zookeeper://h1/a/../b", "not a valid ZooKeeper path"),
+        ("zookeeper://me@h1/x", "user:password"),
+    ],
+)
+def test_bad_url_names_the_setting_the_value_and_the_fix(url: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse(url, "dlock_urls")
+    message = str(caught.value)
+    assert message.startswith("dlock_urls: ")
+    assert says in message
+    assert ";" in message  # problem; fix
+
+
+def test_bad_url_hides_the_password() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse("zookeeper://me:topsecret@h1:0/x")
+    assert "topsecret" not in str(caught.value)
+
+
+# -- a standalone server ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zk() -> Iterator[ZkServer]:
+    if REASON is not None:
+        pytest.skip(REASON)
+    with standalone() as server:
+        yield server
+
+
+@pytest.fixture
+def url(zk: ZkServer) -> Iterator[str]:
+    """A fresh chroot on the standalone server; every client of this process closed after."""
+    yield f"zookeeper://{zk.hosts}/t-{uuid.uuid4().hex[:8]}?timeout=4"
+    close_all()
+
+
+def _second_client(url: str) -> ZooKeeperBackend:
+    """A backend on another session (another client) of the same servers."""
+    return ZooKeeperBackend(url.replace("timeout=4", "timeout=4.5"))
+
+
+@needs_zk
+def test_threads_never_hold_a_key_together(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    inside = 0
+    overlaps = 0
+    cycles = 0
+    guard = threading.Lock()
+
+    def work() -> None:
+        nonlocal inside, overlaps, cycles
+        for _ in range(15):
+            with backend.acquire("mutex", wait=30):
+                with guard:
+                    inside += 1
+                    overlaps += inside > 1
+                time.sleep(0.001)  # hold it a little: widen any window for an overlap
+                with guard:
+                    inside -= 1
+                    cycles += 1
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert cycles == 90
+    assert overlaps == 0
+
+
+def _process_worker(url: str, marker: str, rounds: int, out: Any) -> None:
+    """In a forked child: take the key, prove nobody else is inside, leave."""
+    backend = ZooKeeperBackend(url)
+    tokens = []
+    violations = 0
+    for _ in range(rounds):
+        with backend.acquire("procs", wait=60) as lease:
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                violations += 1
+            else:
+                os.close(fd)
+                os.unlink(marker)
+            tokens.append(lease.token)
+    out.put((os.getpid(), violations, tokens, shared(backend.url).client.client_id))
+    close_all()
+
+
+@needs_zk
+def test_forked_processes_never_hold_a_key_together_each_on_its_own_session(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    with backend.acquire("procs") as parent_lease:  # the parent's client exists before fork
+        parent_session = shared(backend.url).client.client_id
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        marker = str(Path(tmp) / "inside")
+        procs = [ctx.Process(target=_process_worker, args=(url, marker, 10, out)) for _ in range(3)]
+        for proc in procs:
+            proc.start()
+        results = [out.get(timeout=90) for _ in procs]
+        for proc in procs:
+            proc.join(30)
+    assert all(proc.exitcode == 0 for proc in procs)
+    assert sum(violations for _, violations, _, _ in results) == 0
+    sessions = {session for _, _, _, session in results}
+    assert len(sessions) == 3
+    assert parent_session not in sessions
+    tokens = sorted(t for _, _, ts, _ in results for t in ts)
+    assert len(set(tokens)) == 30
+    assert tokens[0] > parent_lease.token
+
+
+@needs_zk
+def test_waiters_are_admitted_in_arrival_order(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    other = _second_client(url)
+    first = backend.acquire("fifo")
+    admitted: list[int] = []
+
+    def wait_turn(n: int) -> None:
+        with (backend if n % 2 else other).acquire("fifo", wait=30):
+            admitted.append(n)
+
+    threads = []
+    for n in range(6):
+        thread = threading.Thread(target=wait_turn, args=(n,))
+        thread.start()
+        threads.append(thread)
+        until(lambda n=n: len(backend.queue("fifo")) == n + 2, 10, f"waiter {n} queued")
+    first.release()
+    for thread in threads:
+        thread.join(30)
+    assert admitted == list(range(6))
+
+
+@needs_zk
+def test_a_release_wakes_only_the_next_waiter(url: str) -> None:
+    """No herd: each waiter watches its predecessor, so a release makes one waiter re-list."""
+    backend = ZooKeeperBackend(url)
+    watcher = _second_client(url)  # the test's own polls, on another client
+    first = backend.acquire("herd")
+    threads = [
+        threading.Thread(target=lambda: backend.acquire("herd", wait=30).release())
+        for _ in range(4)
+    ]
+    for n, thread in enumerate(threads):
+        thread.start()
+        until(lambda n=n: len(watcher.queue("herd")) == n + 2, 10, f"waiter {n} queued")
+    client = shared(backend.url).client
+    seen: list[str] = []
+    real_call = client._call
+
+    def counting(request: Any, async_object: Any) -> Any:
+        seen.append(type(request).__name__)
+        return real_call(request, async_object)
+
+    client._call = counting
+    try:
+        first.release()
+        until(lambda: not watcher.queue("herd"), 20, "every waiter served")
+    finally:
+        del client._call
+    for thread in threads:
+        thread.join(10)
+    # Per hand-over: the woken waiter lists once, watches its own node, later deletes it.
+    assert seen.count("GetChildren") == 4
+    assert seen.count("Exists") == 4
+    assert seen.count("Delete") == 5
+
+
+@needs_zk
+def test_a_refusal_costs_one_create_and_one_list(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    other = _second_client(url)
+    held = backend.acquire("drop", holder="task-a")
+    client = shared(other.url).start()
+    seen: list[str] = []
+    real_call = client._call
+
+    def counting(request: Any, async_object: Any) -> Any:
+        seen.append(type(request).__name__)
+        return real_call(request, async_object)
+
+    client._call = counting
+    try:
+        with pytest.raises(LockContended) as caught:
+            other.acquire("drop", wait=0)
+    finally:
+        del client._call
+    held.release()
+    assert caught.value.holder is not None
+    assert caught.value.holder.holder == "task-a"
+    assert caught.value.holder.fence == held.token
+    # create + list (one round trip), then the holder's identity and our delete (one more)
+    assert sorted(seen) == ["Create2", "Delete", "GetChildren", "GetData"]
+
+
+@needs_zk
+def test_a_free_key_costs_one_create_one_list_and_a_watch(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    backend.acquire("warm").release()  # parent nodes made, session up
+    client = shared(backend.url).client
+    seen: list[str] = []
+    real_call = client._call
+
+    def counting(request: Any, async_object: Any) -> Any:
+        seen.append(type(request).__name__)
+        return real_call(request, async_object)
+
+    client._call = counting
+    try:
+        backend.acquire("warm").release()
+    finally:
+        del client._call
+    assert seen == ["Create2", "GetChildren", "Exists", "Delete"]
+
+
+@needs_zk
+def test_fencing_tokens_strictly_increase_across_clients(url: str) -> None:
+    backends = [ZooKeeperBackend(url), _second_client(url)]
+    tokens = []
+    for n in range(20):
+        with backends[n % 2].acquire("fence", wait=5) as lease:
+            tokens.append(lease.token)
+            assert backends[(n + 1) % 2].holder("fence").fence == lease.token  # type: ignore[union-attr]
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == len(tokens)
+
+
+@needs_zk
+def test_holder_identity_is_readable_by_another_client(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    with backend.acquire("who", holder="task-42") as lease:
+        holder = _second_client(url).holder("who")
+        info = _second_client(url).inspect("who")
+        listed = _second_client(url).locks("wh")
+    assert holder is not None
+    assert (holder.holder, holder.pid, holder.fence) == ("task-42", os.getpid(), lease.token)
+    assert info.held
+    assert info.task_id == "task-42"
+    assert info.fence == lease.token
+    assert [i.key for i in listed] == ["who"]
+
+
+@needs_zk
+def test_a_forced_release_is_noticed_by_the_holder_and_admits_the_next(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    operator = _second_client(url)
+    told: list[LockLost] = []
+    lease = backend.acquire("forced", holder="task-1", on_lost=lambda _lease, err: told.append(err))
+    got: list[Lease] = []
+    waiter = threading.Thread(target=lambda: got.append(operator.acquire("forced", wait=30)))
+    waiter.start()
+    until(lambda: len(operator.queue("forced")) == 2, 10, "the waiter queued")
+    holder = operator.holder("forced")
+    assert holder is not None
+    assert operator.force_release("forced", holder)
+    until(lambda: lease.lost, 10, "the holder to notice")
+    assert told
+    assert "deleted by another client" in told[0].reason
+    with pytest.raises(LockLost):
+        lease.ensure()
+    waiter.join(10)
+    assert got
+    assert got[0].token > lease.token
+    got[0].release()
+    lease.release()
+
+
+@needs_zk
+def test_release_is_idempotent_and_frees_the_key(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("idem")
+    assert lease.release() is True
+    assert lease.release() is False
+    assert backend.holder("idem") is None
+
+
+@needs_zk
+def test_session_expiry_ends_the_lease_before_another_client_gets_the_key(zk: ZkServer) -> None:
+    chroot = f"t-{uuid.uuid4().hex[:8]}"
+    with FaultProxy(zk.client_port) as proxy:
+        cut_off = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/{chroot}?timeout=2")
+        direct = ZooKeeperBackend(f"zookeeper://{zk.hosts}/{chroot}?timeout=4")
+        lost_at: list[float] = []
+        lease = cut_off.acquire(
+            "part", on_lost=lambda _lease, _err: lost_at.append(time.monotonic())
+        )
+        got_at: list[float] = []
+
+        def take() -> None:
+            with direct.acquire("part", wait=30):
+                got_at.append(time.monotonic())
+
+        waiter = threading.Thread(target=take)
+        waiter.start()
+        until(lambda: len(direct.queue("part")) == 2, 10, "the waiter queued")
+        proxy.blackhole()
+        until(lambda: lease.valid_for < float("inf"), 10, "the holder's connection suspended")
+        assert lease.valid_for <= 2 / 3  # at most a third of the session timeout
+        until(lambda: bool(got_at), 20, "the waiter to get the key")
+        waiter.join(10)
+        proxy.heal()
+        assert lost_at
+        assert lost_at[0] < got_at[0]
+        assert "connection to ZooKeeper was lost" in (lease.lost_reason or "")
+        lease.release()
+        close_all()
+
+
+@needs_zk
+def test_a_short_disconnection_keeps_the_lease(zk: ZkServer) -> None:
+    with FaultProxy(zk.client_port) as proxy:
+        backend = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/t?timeout=6")
+        lease = backend.acquire("blip")
+        proxy.blackhole()
+        until(lambda: lease.valid_for < float("inf"), 10, "the connection suspended")
+        proxy.heal()
+        until(lambda: lease.valid_for == float("inf"), 10, "the session back")
+        assert not lease.lost
+        lease.ensure()
+        lease.release()
+        close_all()
+
+
+@needs_zk
+def test_max_hold_ends_the_lease(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    told: list[LockLost] = []
+    lease = backend.acquire("max", max_hold=0.3, on_lost=lambda _l, err: told.append(err))
+    until(lambda: bool(told), 5, "the watchdog to report max_hold")
+    assert "max_hold" in told[0].reason
+    lease.release()
+
+
+# -- a three-node ensemble ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ens() -> Iterator[Ensemble]:
+    if REASON is not None:
+        pytest.skip(REASON)
+    with ensemble(3) as group:
+        yield group
+
+
+@pytest.fixture
+def ens_url(ens: Ensemble) -> Iterator[str]:
+    for server in ens.servers:  # a test before may have stopped one
+        if not server.running:
+            server.start()
+    for server in ens.servers:
+        server.wait_serving()
+    yield f"zookeeper://{ens.hosts}/e-{uuid.uuid4().hex[:8]}?timeout=6"
+    close_all()
+
+
+@needs_zk
+@pytest.mark.slow
+def test_leader_killed_no_two_holders_and_tokens_still_increase(
+    ens: Ensemble, ens_url: str
+) -> None:
+    a, b = ZooKeeperBackend(ens_url), _second_client(ens_url.replace("timeout=6", "timeout=4"))
+    lease = a.acquire("lead")
+    got: list[Lease] = []
+    waiter = threading.Thread(target=lambda: got.append(b.acquire("lead", wait=60)))
+    waiter.start()
+    until(lambda: len(a.queue("lead")) == 2, 10, "the waiter queued")
+    ens.leader().stop(kill=True)
+    new_leader = ens.leader()
+    assert new_leader.running
+    until(lambda: a.holder("lead") is not None, 20, "the ensemble serving again")
+    assert not got  # the holder's node survived the election: nobody else holds it
+    assert not lease.lost
+    lease.release()
+    waiter.join(30)
+    assert got
+    assert got[0].token > lease.token
+    got[0].release()
+    with a.acquire("lead") as after:  # a node created under the new leader: a new epoch
+        assert after.token > got[0].token
+        assert (after.token >> 32) > (lease.token >> 32)
+
+
+@needs_zk
+@pytest.mark.slow
+def test_a_minority_stopped_locks_still_work(ens: Ensemble, ens_url: str) -> None:
+    follower = next(s for s in ens.servers if s.mode() == "follower")
+    follower.stop()
+    backend = ZooKeeperBackend(ens_url)
+    tokens = []
+    for _ in range(5):
+        with backend.acquire("minority") as lease:
+            tokens.append(lease.token)
+    assert tokens == sorted(set(tokens))
+
+
+@needs_zk
+@pytest.mark.slow
+def test_a_restarted_server_keeps_order_and_holders(ens: Ensemble, ens_url: str) -> None:
+    backend = ZooKeeperBackend(ens_url)
+    lease = backend.acquire("restart", holder="task-r")
+    for server in ens.servers:
+        server.restart()  # one at a time: a quorum is up throughout
+    holder = _second_client(ens_url).holder("restart")
+    assert holder is not None
+    assert holder.fence == lease.token
+    assert not lease.lost
+    lease.release()
+    with backend.acquire("restart") as again:
+        assert again.token > lease.token
+
+
+@needs_zk
+@pytest.mark.slow
+def test_partitioned_holder_on_an_ensemble_loses_before_the_next_gets_it(ens: Ensemble) -> None:
+    chroot = f"e-{uuid.uuid4().hex[:8]}"
+    target = ens.servers[0]
+    with FaultProxy(target.client_port) as proxy:
+        cut_off = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/{chroot}?timeout=3")
+        others = ",".join(s.hosts for s in ens.servers[1:])
+        direct = ZooKeeperBackend(f"zookeeper://{others}/{chroot}?timeout=6")
+        lost_at: list[float] = []
+        lease = cut_off.acquire("p", on_lost=lambda _l, _e: lost_at.append(time.monotonic()))
+        got_at: list[float] = []
+
+        def take() -> None:
+            with direct.acquire("p", wait=30):
+                got_at.append(time.monotonic())
+
+        waiter = threading.Thread(target=take)
+        waiter.start()
+        until(lambda: len(direct.queue("p")) == 2, 10, "the waiter queued")
+        proxy.blackhole()
+        until(lambda: bool(got_at), 30, "the waiter to get the key")
+        waiter.join(10)
+        proxy.heal()
+        assert lost_at
+        assert lost_at[0] < got_at[0]
+        lease.release()
+        close_all()
