@@ -16,6 +16,7 @@ server, no fsync. Faults between a client and a server come from :class:`FaultPr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -91,6 +92,14 @@ def skip_reason() -> str | None:
         if shutil.which("java") is None:
             return "ZooKeeper is installed but no java is on PATH"
         return None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test process dies (Linux's
+    PR_SET_PDEATHSIG), so a test run killed by a timeout leaves no server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_ports(n: int) -> list[int]:
@@ -179,6 +188,7 @@ class ZkServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C of the test run does not reach it first
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 (one prctl call, no locks)
             )
 
     def mode(self) -> str | None:
