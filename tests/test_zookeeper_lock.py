@@ -262,7 +262,7 @@ def test_a_refusal_costs_one_create_and_one_list(url: str) -> None:
 
 
 @needs_zk
-def test_a_free_key_costs_one_create_one_list_and_a_watch(url: str) -> None:
+def test_a_free_key_costs_one_create_one_list_and_one_delete(url: str) -> None:
     backend = ZooKeeperBackend(url)
     backend.acquire("warm").release()  # parent nodes made, session up
     client = shared(backend.url).client
@@ -278,7 +278,7 @@ def test_a_free_key_costs_one_create_one_list_and_a_watch(url: str) -> None:
         backend.acquire("warm").release()
     finally:
         del client._call
-    assert seen == ["Create2", "GetChildren", "Exists", "Delete"]
+    assert seen == ["Create2", "GetChildren", "Delete"]  # as many as kazoo's Lock
 
 
 @needs_zk
@@ -330,6 +330,22 @@ def test_a_forced_release_is_noticed_by_the_holder_and_admits_the_next(url: str)
     assert got
     assert got[0].token > lease.token
     got[0].release()
+    lease.release()
+
+
+@needs_zk
+def test_a_forced_release_of_an_uncontended_key_is_noticed(url: str) -> None:
+    """No waiter ever changed the key's children: the holder still hears of the delete."""
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("alone", holder="task-1")
+    operator = _second_client(url)
+    holder = operator.holder("alone")
+    assert holder is not None
+    assert operator.release_token(
+        "alone", holder.nonce if hasattr(holder, "nonce") else holder.token
+    )
+    until(lambda: lease.lost, 10, "the holder to notice")
+    assert "deleted by another client" in (lease.lost_reason or "")
     lease.release()
 
 

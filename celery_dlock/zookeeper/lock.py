@@ -164,6 +164,70 @@ class ZkLease(Lease):
         return super()._expiry_reason()
 
 
+class _Guard:
+    """Tells a holder that its node was deleted by someone else, at no cost when nothing
+    happens to the key.
+
+    The listing sent with the create carries a watch on the key's children (free: it rides on
+    a request we send anyway). Until some child changes, our node is certainly still there.
+    At the first change (a waiter queued, a node deleted) the guard sends one ``exists`` with
+    a watch on our own node, which from then on reports its deletion (an operator's release)
+    as the lease's loss. So an uncontended cycle costs three requests (create, list, delete),
+    as kazoo's own Lock does, and the first two share one round trip.
+    """
+
+    def __init__(self, client: KazooClient, session: SharedClient) -> None:
+        self._client = client
+        self._session = session
+        self._lock = threading.Lock()
+        self._lease: ZkLease | None = None
+        self._fired = False
+
+    def on_children(self, _event: WatchedEvent) -> None:
+        with self._lock:
+            self._fired = True
+            lease = self._lease
+        if lease is not None:
+            self._arm(lease)
+
+    def attach(self, lease: ZkLease) -> None:
+        """The acquisition won: guard ``lease`` (now, if its key changed meanwhile)."""
+        with self._lock:
+            self._lease = lease
+            fired = self._fired
+        if fired:
+            self._arm(lease)
+
+    def _gone(self, lease: ZkLease) -> None:
+        if lease.released or lease.pid != forks.pid():
+            return
+        self._session.discard(lease)
+        watchdog.discard(lease)
+        lease.mark_lost(
+            "its lock node was deleted by another client (celery dlock release, or an operator)"
+        )
+
+    def _arm(self, lease: ZkLease) -> None:
+        if lease.released or lease.lost:
+            return
+
+        def on_event(event: WatchedEvent) -> None:
+            if event.type == EventType.DELETED:
+                self._gone(lease)
+            elif event.type is not None:
+                self._arm(lease)  # data changed: keep watching
+
+        def on_reply(result: Any) -> None:
+            try:
+                if result.get() is None:
+                    self._gone(lease)
+            except KAZOO_ERRORS:
+                pass  # session trouble: the session listener reports it
+
+        # Sent without waiting (this may run on kazoo's callback thread, which must not block).
+        self._client.exists_async(lease.path, watch=on_event).rawlink(on_reply)
+
+
 class ZooKeeperBackend:
     """Acquire and release leases on one ZooKeeper ensemble (a ``zookeeper://`` URL)."""
 
@@ -283,8 +347,9 @@ class ZooKeeperBackend:
         nonce = secrets.token_urlsafe(15)
         parent = self.parent(key)
         data = identity(nonce, holder, task=_task_name(sender)).encode()
+        guard = _Guard(client, session)
         try:
-            path, stat, children = self._enter(client, session, parent, nonce, data)
+            path, stat, children = self._enter(client, session, parent, nonce, data, guard)
         except KAZOO_ERRORS as exc:
             raise self._unavailable(key, "lock", exc) from exc
         name = path.rsplit("/", 1)[1]
@@ -314,7 +379,7 @@ class ZooKeeperBackend:
         session.add(lease)
         if max_hold is not None:
             watchdog.add(lease)  # reports the loss when max_hold runs out
-        self._watch(client, session, lease)
+        guard.attach(lease)
         log.debug("acquired key=%s token=%s waited=%.3f", key, lease.token, waited_for)
         lock_acquired.send(
             sender=sender, key=key, token=lease.token, task_id=holder, waited=waited_for
@@ -322,7 +387,13 @@ class ZooKeeperBackend:
         return lease
 
     def _enter(
-        self, client: KazooClient, session: SharedClient, parent: str, nonce: str, data: bytes
+        self,
+        client: KazooClient,
+        session: SharedClient,
+        parent: str,
+        nonce: str,
+        data: bytes,
+        guard: _Guard,
     ) -> tuple[str, ZnodeStat, list[str]]:
         """Create our node and list the parent, in one round trip (see the module docstring)."""
         timeout = session.op_timeout
@@ -335,7 +406,7 @@ class ZooKeeperBackend:
             makepath=True,
             include_data=True,
         )
-        listing = client.get_children_async(parent)
+        listing = client.get_children_async(parent, watch=guard.on_children)
         try:
             path, stat = created.get(timeout=timeout)
         except ConnectionLoss:
@@ -344,13 +415,14 @@ class ZooKeeperBackend:
             if found is None:
                 raise
             path, stat = found
-            listing = client.get_children_async(parent)
+            listing = client.get_children_async(parent, watch=guard.on_children)
         try:
             children = list(listing.get(timeout=timeout))
         except (NoNodeError, ConnectionLoss):  # listed before makepath made the parent, or lost
             children = []
         if path.rsplit("/", 1)[1] not in children:
-            children = list(session.call(lambda: client.get_children_async(parent)))
+            watched = partial(client.get_children_async, parent, watch=guard.on_children)
+            children = list(session.call(watched))
         return path, stat, children
 
     @staticmethod
@@ -454,34 +526,6 @@ class ZooKeeperBackend:
         except KAZOO_ERRORS:
             with session.lock:
                 session.owed.add(path)
-
-    def _watch(self, client: KazooClient, session: SharedClient, lease: ZkLease) -> None:
-        """Watch the lease's own node: deleted by anyone but us means the lease is lost."""
-
-        def gone() -> None:
-            if lease.released or lease.pid != forks.pid():
-                return
-            session.discard(lease)
-            watchdog.discard(lease)
-            lease.mark_lost(
-                "its lock node was deleted by another client (celery dlock release, or an operator)"
-            )
-
-        def on_event(event: WatchedEvent) -> None:
-            if event.type == EventType.DELETED:
-                gone()
-            elif event.type is not None and not lease.released:
-                self._watch(client, session, lease)  # data changed: keep watching
-
-        def on_reply(result: Any) -> None:
-            try:
-                if result.get() is None:
-                    gone()
-            except KAZOO_ERRORS:
-                pass  # session trouble: the session listener reports it
-
-        # Sent without waiting: the acquire returns now, the reply is checked when it comes.
-        client.exists_async(lease.path, watch=on_event).rawlink(on_reply)
 
     # -- end a lease -----------------------------------------------------------------------
 
