@@ -172,8 +172,10 @@ class _Guard:
     a request we send anyway). Until some child changes, our node is certainly still there.
     At the first change (a waiter queued, a node deleted) the guard sends one ``exists`` with
     a watch on our own node, which from then on reports its deletion (an operator's release)
-    as the lease's loss. So an uncontended cycle costs three requests (create, list, delete),
-    as kazoo's own Lock does, and the first two share one round trip.
+    as the lease's loss. A waiter sends that ``exists`` together with the watch on its
+    predecessor, while it waits, so nothing is left to send once it is admitted. So an
+    uncontended cycle costs three requests (create, list, delete), as kazoo's own Lock does,
+    and the first two share one round trip.
     """
 
     def __init__(self, client: KazooClient, session: SharedClient) -> None:
@@ -181,24 +183,67 @@ class _Guard:
         self._session = session
         self._lock = threading.Lock()
         self._lease: ZkLease | None = None
-        self._fired = False
+        self.path: str | None = None  # our node, once created
+        self._fired = False  # the key's children changed since our listing
+        self._armed = False  # a watch on our own node is set
+        self._deleted = False  # our node was deleted before the lease existed
+
+    def cancel(self) -> None:
+        """The acquisition gave up (refused, or failed): guard nothing from now on."""
+        with self._lock:
+            self.path = None
 
     def on_children(self, _event: WatchedEvent) -> None:
         with self._lock:
             self._fired = True
-            lease = self._lease
-        if lease is not None:
-            self._arm(lease)
+        self.watch_own()
 
     def attach(self, lease: ZkLease) -> None:
         """The acquisition won: guard ``lease`` (now, if its key changed meanwhile)."""
         with self._lock:
             self._lease = lease
-            fired = self._fired
-        if fired:
-            self._arm(lease)
+            deleted = self._deleted
+        if deleted:
+            self._gone()
+        else:
+            self.watch_own()
 
-    def _gone(self, lease: ZkLease) -> None:
+    def watch_own(self, *, now: bool = False) -> None:
+        """Set the watch on our own node, once (at once when ``now``, else only after the
+        key's children changed)."""
+        with self._lock:
+            if self.path is None or self._armed or not (now or self._fired):
+                return
+            lease = self._lease
+            if lease is not None and (lease.released or lease.lost):
+                return
+            self._armed = True
+            path = self.path
+        # Sent without waiting (this may run on kazoo's callback thread, which must not block).
+        self._client.exists_async(path, watch=self._on_event).rawlink(self._on_reply)
+
+    def _on_event(self, event: WatchedEvent) -> None:
+        with self._lock:
+            self._armed = False
+        if event.type == EventType.DELETED:
+            self._gone()
+        elif event.type is not None:
+            self.watch_own(now=True)  # data changed: keep watching
+
+    def _on_reply(self, result: Any) -> None:
+        try:
+            exists = result.get() is not None
+        except KAZOO_ERRORS:
+            return  # session trouble: the session listener reports it
+        if not exists:
+            self._gone()
+
+    def _gone(self) -> None:
+        with self._lock:
+            lease = self._lease
+            if lease is None:
+                self._deleted = True  # a waiter's node: its next listing will miss it
+                return
         if lease.released or lease.pid != forks.pid():
             return
         self._session.discard(lease)
@@ -206,26 +251,6 @@ class _Guard:
         lease.mark_lost(
             "its lock node was deleted by another client (celery dlock release, or an operator)"
         )
-
-    def _arm(self, lease: ZkLease) -> None:
-        if lease.released or lease.lost:
-            return
-
-        def on_event(event: WatchedEvent) -> None:
-            if event.type == EventType.DELETED:
-                self._gone(lease)
-            elif event.type is not None:
-                self._arm(lease)  # data changed: keep watching
-
-        def on_reply(result: Any) -> None:
-            try:
-                if result.get() is None:
-                    self._gone(lease)
-            except KAZOO_ERRORS:
-                pass  # session trouble: the session listener reports it
-
-        # Sent without waiting (this may run on kazoo's callback thread, which must not block).
-        self._client.exists_async(lease.path, watch=on_event).rawlink(on_reply)
 
 
 class ZooKeeperBackend:
@@ -353,11 +378,15 @@ class ZooKeeperBackend:
         except KAZOO_ERRORS as exc:
             raise self._unavailable(key, "lock", exc) from exc
         name = path.rsplit("/", 1)[1]
+        guard.path = path
         try:
-            waited_for = self._queue(client, session, key, parent, name, children, wait, begun)
+            waited_for = self._queue(
+                client, session, key, parent, name, children, wait, begun, guard
+            )
         except LockContended:
             raise  # our node is already deleted (see _contended)
         except BaseException:
+            guard.cancel()
             self._abandon(client, session, path)
             raise
         lease = ZkLease(
@@ -450,6 +479,7 @@ class ZooKeeperBackend:
         children: list[str],
         wait: float | None,
         begun: float,
+        guard: _Guard,
     ) -> float:
         """Wait until our node is the lowest; the seconds waited. Raises LockContended when
         ``wait`` runs out (our node is then deleted by the caller)."""
@@ -466,6 +496,7 @@ class ZooKeeperBackend:
             if position == 0:
                 return time.monotonic() - begun
             if deadline is not None and time.monotonic() >= deadline:
+                guard.cancel()
                 raise self._contended(client, session, key, parent, ordered[0], name)
             woken = threading.Event()
             predecessor = f"{parent}/{ordered[position - 1]}"
@@ -476,6 +507,7 @@ class ZooKeeperBackend:
             try:
                 with session.lock:
                     session.waiters.add(woken)
+                guard.watch_own(now=True)  # sent with the next request: ready once admitted
                 watching = session.call(partial(client.exists_async, predecessor, watch=wake))
                 if watching is not None:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -26,6 +26,7 @@ and its socket is shared with the parent): the first use in the child makes a ne
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -55,6 +56,11 @@ KAZOO_ERRORS: tuple[type[BaseException], ...] = (KazooException, KazooTimeoutErr
 #: The same, and the connection not coming up at all.
 UNREACHABLE: tuple[type[BaseException], ...] = (*KAZOO_ERRORS, LockUnavailable)
 
+#: kazoo's most detailed log level, at which it reports the negotiated session timeout.
+BLATHER = 5
+
+_serial = itertools.count()
+
 #: kazoo's own share of the negotiated session timeout after which it gives up on a server
 #: (``read_timeout`` in kazoo/protocol/connection.py).
 READ_TIMEOUT_SHARE = 2.0 / 3.0
@@ -78,7 +84,7 @@ class _SessionLog(logging.Filter):
         if created and isinstance(args, tuple) and len(args) >= 3:
             with contextlib.suppress(TypeError, ValueError):
                 self._shared.negotiated = float(args[2]) / 1000.0
-        return record.levelno >= logging.DEBUG  # BLATHER records go no further
+        return record.levelno > BLATHER  # BLATHER records go no further
 
 
 class SharedClient:
@@ -103,9 +109,12 @@ class SharedClient:
             if url.user is not None and url.password is not None
             else None
         )
-        kazoo_log = logging.getLogger(f"celery_dlock.zookeeper.kazoo.{id(self):x}")
-        kazoo_log.setLevel(5)
+        kazoo_log = logging.getLogger(f"celery_dlock.zookeeper.kazoo.{next(_serial)}")
+        # Down to kazoo's BLATHER level only while a session is being set up: every packet
+        # logs at that level, and a record made per packet would slow every request.
+        kazoo_log.setLevel(BLATHER)
         kazoo_log.addFilter(_SessionLog(self))
+        self._kazoo_log = kazoo_log
         kazoo_log.propagate = False
         kazoo_log.addHandler(_Forward(logging.getLogger("celery_dlock.zookeeper.kazoo")))
         self.client = KazooClient(
@@ -198,6 +207,9 @@ class SharedClient:
             leases = list(self.leases)
             if state != KazooState.CONNECTED:
                 self.connected.clear()
+                self._kazoo_log.setLevel(BLATHER)  # to read the next session's timeout
+            else:
+                self._kazoo_log.setLevel(logging.NOTSET)
             if state == KazooState.SUSPENDED:
                 now = time.monotonic()
                 self.suspended_at = now
