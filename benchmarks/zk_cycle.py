@@ -5,9 +5,11 @@ Two measures, each for ``ours`` (``ZooKeeperBackend.acquire(key)`` / ``release()
 docs show: https://kazoo.readthedocs.io/en/latest/api/recipe/lock.html):
 
 * ``cycle``  an uncontended acquire + release, back to back, on one key;
-* ``handover``  a holder holds the key while a waiter thread of the same process blocks on it
-  (its node queued, watching its predecessor); the holder reads ``time.perf_counter()`` right
-  before release, the waiter right after its acquire returns: the difference is one hand-over.
+* ``handover``  a holder holds the key while a waiter blocks on it (its node queued, watching
+  its predecessor); the holder reads ``time.perf_counter()`` right before release, the waiter
+  right after its acquire returns: the difference is one hand-over. The waiter is a process of
+  its own with its own client (``--mode process``, the default: two workers), or a thread of
+  the holder's process sharing its client (``--mode thread``).
 
 Each library has its own client (its own session) on one standalone server started here
 (``tests/zookeeper.py``; Debian's zookeeper package) unless ``--hosts`` names one. Rounds
@@ -15,7 +17,7 @@ alternate between the two libraries; each round's median is kept and the medians
 printed, with ours / kazoo (below 1.0: ours is faster).
 
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/zk_cycle.py [--rounds 7] [--cycles 200]
-[--handovers 40] [--json]``.
+[--handovers 40] [--mode process|thread] [--json]``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import statistics
 import sys
 import threading
@@ -49,11 +52,13 @@ class Contender:
         take: Callable[[], Any],
         give: Callable[[Any], None],
         queued: Callable[[], int],
+        close: Callable[[], None],
     ) -> None:
         self.name = name
         self.take = take
         self.give = give
         self.queued = queued
+        self.close = close
 
 
 def ours(hosts: str, key: str) -> Contender:
@@ -63,16 +68,19 @@ def ours(hosts: str, key: str) -> Contender:
         lambda: backend.acquire(key, wait=None),
         lambda lease: lease.release(),
         lambda: len(backend.queue(key)),
+        close_all,
     )
 
 
-def kazoo(client: KazooClient, key: str) -> Contender:
+def kazoo(hosts: str, key: str) -> Contender:
+    client = KazooClient(hosts=hosts, timeout=10)
+    client.start(timeout=15)
     path = f"/bench-kazoo/{key}"
     locks = threading.local()
 
     def lock() -> Any:
-        if not hasattr(locks, "lock"):  # one Lock object per thread: kazoo's Lock is not
-            locks.lock = client.Lock(path)  # reentrant across threads, and a waiter is one
+        if not hasattr(locks, "lock"):  # one Lock object per thread: a Lock is one contender
+            locks.lock = client.Lock(path)
         return locks.lock
 
     def take() -> Any:
@@ -80,7 +88,16 @@ def kazoo(client: KazooClient, key: str) -> Contender:
         held.acquire()
         return held
 
-    return Contender("kazoo", take, lambda held: held.release(), lambda: len(lock().contenders()))
+    def close() -> None:
+        client.stop()
+        client.close()
+
+    return Contender(
+        "kazoo", take, lambda held: held.release(), lambda: len(lock().contenders()), close
+    )
+
+
+MAKERS: dict[str, Callable[[str, str], Contender]] = {"ours": ours, "kazoo": kazoo}
 
 
 def cycle(contender: Contender, n: int) -> float:
@@ -93,34 +110,80 @@ def cycle(contender: Contender, n: int) -> float:
     return statistics.median(times)
 
 
-def handover(contender: Contender, n: int) -> float:
+class Waiter:
+    """The waiting side of a hand-over: a thread of this process, or a process of its own
+    (with its own client and session, as two workers would be). Each ``go()`` makes it
+    acquire once (blocking), read ``perf_counter()`` and release; ``got()`` returns that
+    reading. On Linux ``perf_counter`` is ``CLOCK_MONOTONIC``, one clock for all processes."""
+
+    def __init__(self, name: str, hosts: str, key: str, mode: str, here: Contender) -> None:
+        self.mode = mode
+        if mode == "process":
+            ctx = multiprocessing.get_context("fork")
+            self._conn, child = ctx.Pipe()
+            self._proc = ctx.Process(target=_waiter_process, args=(name, hosts, key, child))
+            self._proc.start()
+        else:
+            self._here = here
+            self._times: list[float] = []
+            self._done = threading.Event()
+
+    def go(self) -> None:
+        if self.mode == "process":
+            self._conn.send("go")
+            return
+        self._done.clear()
+
+        def run() -> None:
+            held = self._here.take()
+            self._times.append(time.perf_counter())
+            self._here.give(held)
+            self._done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def got(self) -> float:
+        if self.mode == "process":
+            if not self._conn.poll(10):
+                raise RuntimeError("waiter never got the lock")
+            reading: float = self._conn.recv()
+            return reading
+        if not self._done.wait(10):
+            raise RuntimeError("waiter never got the lock")
+        return self._times.pop()
+
+    def close(self) -> None:
+        if self.mode == "process":
+            self._conn.send("stop")
+            self._proc.join(10)
+
+
+def _waiter_process(name: str, hosts: str, key: str, conn: Any) -> None:
+    contender = MAKERS[name](hosts, key)
+    try:
+        while conn.recv() == "go":
+            held = contender.take()
+            conn.send(time.perf_counter())
+            contender.give(held)
+    finally:
+        contender.close()
+
+
+def handover(contender: Contender, waiter: Waiter, n: int) -> float:
     """Median seconds from the holder's release to the blocked waiter's acquire returning."""
     times = []
     for _ in range(n):
         held = contender.take()
-        got: list[float] = []
-        done = threading.Event()
-
-        def wait(got: list[float] = got, done: threading.Event = done) -> None:
-            lease = contender.take()
-            got.append(time.perf_counter())
-            contender.give(lease)
-            done.set()
-
-        waiter = threading.Thread(target=wait)
-        waiter.start()
+        waiter.go()
         deadline = time.monotonic() + 10
-        while contender.queued() < 2:  # the waiter's node is queued and its watch set
+        while contender.queued() < 2:  # the waiter's node is queued
             if time.monotonic() > deadline:
                 raise RuntimeError("waiter never queued")
             time.sleep(0.002)
-        time.sleep(0.005)  # its watch request is sent right after its listing: let it land
+        time.sleep(0.02)  # its watch request is sent right after its listing: let it land
         t0 = time.perf_counter()
         contender.give(held)
-        if not done.wait(10):
-            raise RuntimeError("waiter never got the lock")
-        waiter.join()
-        times.append(got[0] - t0)
+        times.append(waiter.got() - t0)
     return statistics.median(times)
 
 
@@ -142,17 +205,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--cycles", type=int, default=200)
     parser.add_argument("--handovers", type=int, default=40)
+    parser.add_argument(
+        "--mode",
+        choices=("process", "thread"),
+        default="process",
+        help="the hand-over's waiter: a process of its own (default) or a thread of this one",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with server(args.hosts) as hosts:
-        client = KazooClient(hosts=hosts, timeout=10)
-        client.start(timeout=15)
+        key = f"k-{uuid.uuid4().hex[:8]}"
+        pair = [ours(hosts, key), kazoo(hosts, key)]
+        waiters = {c.name: Waiter(c.name, hosts, key, args.mode, c) for c in pair}
         try:
-            key = f"k-{uuid.uuid4().hex[:8]}"
-            pair = [ours(hosts, key), kazoo(client, key)]
             for contender in pair:  # warm up: sessions, parent nodes, the JIT of the server
                 cycle(contender, 50)
-                handover(contender, 3)
+                handover(contender, waiters[contender.name], 3)
             results: dict[str, dict[str, list[float]]] = {
                 c.name: {"cycle": [], "handover": []} for c in pair
             }
@@ -161,19 +229,26 @@ def main() -> None:
                 for contender in order:
                     results[contender.name]["cycle"].append(cycle(contender, args.cycles))
                 for contender in order:
-                    results[contender.name]["handover"].append(handover(contender, args.handovers))
+                    results[contender.name]["handover"].append(
+                        handover(contender, waiters[contender.name], args.handovers)
+                    )
         finally:
-            client.stop()
-            client.close()
-            close_all()
+            for waiter in waiters.values():
+                waiter.close()
+            for contender in pair:
+                contender.close()
     summary = {
         name: {m: statistics.median(v) * 1000 for m, v in measures.items()}
         for name, measures in results.items()
     }
     if args.json:
-        print(json.dumps({"rounds": args.rounds, "ms": summary, "raw_s": results}, indent=2))
+        out = {"rounds": args.rounds, "mode": args.mode, "ms": summary, "raw_s": results}
+        print(json.dumps(out, indent=2))
         return
-    print(f"{args.rounds} rounds, {args.cycles} cycles and {args.handovers} hand-overs each")
+    print(
+        f"{args.rounds} rounds, {args.cycles} cycles and {args.handovers} hand-overs each "
+        f"(waiter: {args.mode})"
+    )
     for measure in ("cycle", "handover"):
         a, b = summary["ours"][measure], summary["kazoo"][measure]
         print(f"{measure:9} ours {a:7.3f} ms   kazoo {b:7.3f} ms   ours/kazoo {a / b:5.2f}")

@@ -188,6 +188,12 @@ class _Guard:
         self._armed = False  # a watch on our own node is set
         self._deleted = False  # our node was deleted before the lease existed
 
+    @property
+    def deleted(self) -> bool:
+        """Our node was seen deleted before the acquisition won."""
+        with self._lock:
+            return self._deleted
+
     def cancel(self) -> None:
         """The acquisition gave up (refused, or failed): guard nothing from now on."""
         with self._lock:
@@ -499,9 +505,15 @@ class ZooKeeperBackend:
                 guard.cancel()
                 raise self._contended(client, session, key, parent, ordered[0], name)
             woken = threading.Event()
+            events: list[WatchedEvent] = []
             predecessor = f"{parent}/{ordered[position - 1]}"
 
-            def wake(_event: WatchedEvent, woken: threading.Event = woken) -> None:
+            def wake(
+                event: WatchedEvent,
+                woken: threading.Event = woken,
+                events: list[WatchedEvent] = events,
+            ) -> None:
+                events.append(event)
                 woken.set()
 
             try:
@@ -512,6 +524,13 @@ class ZooKeeperBackend:
                 if watching is not None:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     woken.wait(left)
+                gone = watching is None or any(e.type == EventType.DELETED for e in events)
+                if position == 1 and gone and not guard.deleted:
+                    # Our listing came after our create, so it showed every node older than
+                    # ours; only the predecessor was, and no older node can appear later. It
+                    # is gone: ours is the lowest, no need to list again (saves a round trip
+                    # on every hand-over).
+                    return time.monotonic() - begun
                 children = list(session.call(lambda: client.get_children_async(parent)))
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "wait for", exc) from exc
