@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 from urllib.parse import quote, unquote
@@ -61,7 +62,7 @@ from celery_dlock.redlock import LockInfo
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE, SharedClient, shared
-from celery_dlock.zookeeper.url import ZkUrl, parse
+from celery_dlock.zookeeper.url import DEFAULT_TIMEOUT, ZkUrl, parse
 
 log = logging.getLogger("celery_dlock.zookeeper")
 
@@ -259,6 +260,19 @@ class _Guard:
         )
 
 
+@dataclass(frozen=True)
+class ZkSettings:
+    """The ``dlock_*`` settings a ZooKeeperBackend runs with (the names of
+    :class:`celery_dlock.config.Settings`, which accepts only Redis URLs today)."""
+
+    urls: tuple[str, ...]
+    ttl: float = DEFAULT_TTL
+    prefix: str = DEFAULT_PREFIX
+    node_timeout: float = DEFAULT_TIMEOUT  # the session timeout asked for
+    drift_factor: float = DEFAULT_DRIFT_FACTOR
+    fence_retention: float = math.inf  # a zxid is never reset per key
+
+
 class ZooKeeperBackend:
     """Acquire and release leases on one ZooKeeper ensemble (a ``zookeeper://`` URL)."""
 
@@ -281,6 +295,9 @@ class ZooKeeperBackend:
         self.ttl = check_ttl("dlock_ttl", ttl, drift_factor)
         self.drift_factor = drift_factor
         self.base = f"{self.url.chroot}/{prefix}"
+        self.settings = ZkSettings(
+            (self.url.shown,), self.ttl, prefix, self.url.timeout, drift_factor
+        )
 
     def __repr__(self) -> str:
         return f"<ZooKeeperBackend {self.url.shown} prefix={self.prefix!r}>"
@@ -776,6 +793,49 @@ class ZooKeeperBackend:
     def release_by_holder(self, key: str, holder: str) -> bool:
         """Delete ``key``'s node if task ``holder`` holds it, whichever acquisition."""
         return self._delete_if(check_key(key), lambda name, h: h.holder == holder)
+
+    def send_queued(self, key: str, ttl: float, *, holder: str, sender: Any = None) -> None:
+        """None: a queued lock is not sent ahead on ZooKeeper (see :meth:`hand_over`)."""
+        return
+
+    def purge(self, prefix: str) -> list[str]:
+        """Force-release every held key starting with ``prefix``; the keys released."""
+        return [
+            info.key
+            for info in self.locks(prefix)
+            if info.holder is not None and self.force_release(info.key, info.holder)
+        ]
+
+    def endpoints(self) -> list[str]:
+        """One line per server of the ensemble, credentials hidden, with the chroot."""
+        who = f"{self.url.user}:***@" if self.url.user is not None else ""
+        return [
+            f"zookeeper://{who}{host if ':' not in host else f'[{host}]'}:{port}{self.base}"
+            for host, port in self.url.hosts
+        ]
+
+    def check(self) -> list[tuple[str, str | None]]:
+        """Ask each server whether it serves clients (``srvr``, allowed by ZooKeeper's
+        default four-letter-word whitelist): ``(endpoint, error)``, None when it does."""
+        out: list[tuple[str, str | None]] = []
+        for endpoint, (host, port) in zip(self.endpoints(), self.url.hosts, strict=True):
+            try:
+                with socket.create_connection((host, port), timeout=self.url.timeout) as sock:
+                    sock.sendall(b"srvr")
+                    answer = b""
+                    while chunk := sock.recv(4096):
+                        answer += chunk
+            except OSError as exc:
+                out.append((endpoint, str(exc) or type(exc).__name__))
+                continue
+            text = answer.decode(errors="replace")
+            if "Mode:" in text:
+                out.append((endpoint, None))
+            else:
+                out.append(
+                    (endpoint, text.strip().splitlines()[0] if text.strip() else "no answer")
+                )
+        return out
 
     def close(self) -> None:
         """Nothing of its own to close: the process's client is shared (see
