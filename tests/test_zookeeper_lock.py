@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -380,7 +381,7 @@ def test_session_expiry_ends_the_lease_before_another_client_gets_the_key(zk: Zk
         waiter.start()
         until(lambda: len(direct.queue("part")) == 2, 10, "the waiter queued")
         proxy.blackhole()
-        until(lambda: lease.valid_for < float("inf"), 10, "the holder's connection suspended")
+        until(lambda: lease.suspended_until is not None, 10, "the holder's connection suspended")
         assert lease.valid_for <= 2 / 3  # at most a third of the session timeout
         until(lambda: bool(got_at), 20, "the waiter to get the key")
         waiter.join(10)
@@ -398,13 +399,67 @@ def test_a_short_disconnection_keeps_the_lease(zk: ZkServer) -> None:
         backend = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/t?timeout=6")
         lease = backend.acquire("blip")
         proxy.blackhole()
-        until(lambda: lease.valid_for < float("inf"), 10, "the connection suspended")
+        until(lambda: lease.suspended_until is not None, 10, "the connection suspended")
         proxy.heal()
-        until(lambda: lease.valid_for == float("inf"), 10, "the session back")
+        until(lambda: lease.suspended_until is None, 10, "the session back")
         assert not lease.lost
         lease.ensure()
         lease.release()
         close_all()
+
+
+@needs_zk
+def test_a_held_lease_stays_valid_past_the_session_timeout(url: str) -> None:
+    """The watchdog confirms the session (one exists per lease) every third of its timeout."""
+    backend = ZooKeeperBackend(url.replace("timeout=4", "timeout=1"))
+    with backend.acquire("long") as lease:
+        assert 0 < lease.valid_for <= 1.0
+        until(lambda: lease.renewals >= 4, 10, "four renewals")
+        assert not lease.lost
+        assert lease.valid_for > 0.3
+        lease.ensure()
+
+
+def _paused_holder(url: str, conn: Any) -> None:
+    """In a forked child: take the key, report, get stopped; then say what ensure() says."""
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("paused")
+    conn.send(("held", lease.token))
+    conn.recv()  # sent after SIGCONT
+    try:
+        lease.ensure()
+    except LockLost as exc:
+        conn.send(("lost", exc.reason))
+    else:
+        conn.send(("held", lease.token))
+    lease.release()
+    close_all()
+
+
+@needs_zk
+def test_a_holder_paused_past_its_session_finds_its_lease_invalid(url: str) -> None:
+    """A process stopped (SIGSTOP) while another client takes the key must not act on wake."""
+    short = url.replace("timeout=4", "timeout=1")
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_paused_holder, args=(short, child))
+    proc.start()
+    try:
+        assert parent.poll(20)
+        _, token = parent.recv()
+        os.kill(proc.pid, signal.SIGSTOP)
+        other = ZooKeeperBackend(url)
+        with other.acquire("paused", wait=30) as next_lease:  # the child's session expired
+            assert next_lease.token > token
+            os.kill(proc.pid, signal.SIGCONT)
+            parent.send("go")
+            assert parent.poll(20)
+            state, reason = parent.recv()
+        assert state == "lost"
+        assert "session" in reason
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.join(20)
 
 
 @needs_zk

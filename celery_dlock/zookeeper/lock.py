@@ -54,6 +54,7 @@ from celery_dlock.config import (
     check_key,
     check_seconds,
     check_ttl,
+    drift,
 )
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.holder import Holder
@@ -120,7 +121,17 @@ def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
 
 
 class ZkLease(Lease):
-    """A :class:`Lease` whose validity follows the ZooKeeper session, not a ttl."""
+    """A :class:`Lease` whose validity follows the ZooKeeper session.
+
+    A reply to a request sent at ``S`` proves the servers heard from the session at or after
+    ``S``, so the session cannot expire there before ``S + session timeout``: the lease is
+    valid until then, minus the drift allowance, counted from before the acquisition's create.
+    The watchdog "renews" it every third of the session timeout with one ``exists`` on its node
+    (all of a batch sent together), which moves that bound on and also finds a node someone
+    deleted. So a process paused past the session timeout wakes up with its lease already
+    invalid, as on Redis. A suspended connection cuts the validity further (see
+    :mod:`celery_dlock.zookeeper.session`); the same session coming back lifts the cut.
+    """
 
     def __init__(self, backend: ZooKeeperBackend, path: str, **kwargs: Any) -> None:
         # Lease's first parameter is typed LockManager on this tree; it asks only for
@@ -130,18 +141,32 @@ class ZkLease(Lease):
         #: The lease's lock node (full path).
         self.path = path
         self.pid = forks.pid()
-        #: The deadline while the session is connected: none, or max_hold's.
-        self.bound = self.deadline
+        #: Validity proven by the session's last answered request (see the class docstring).
+        self.session_until = self.deadline
+        #: Where max_hold ends validity (infinite without max_hold).
+        self.bound = math.inf if self.max_hold is None else self.acquired_at + self.max_hold
+        #: The cut of a suspended connection, or None while connected.
         self.suspended_until: float | None = None
+        self._settle()
+
+    def _settle(self) -> None:
+        cut = math.inf if self.suspended_until is None else self.suspended_until
+        self._deadline = min(self.session_until, self.bound, cut)
+
+    def renewed(self, started: float, deadline: float) -> None:
+        self.session_until = max(self.session_until, deadline)
+        self.renewals += 1
+        if self.renew_interval is not None:
+            self.next_renewal = started + self.renew_interval
+        self._settle()
 
     def suspend(self, until: float) -> None:
         """The connection is gone: valid until ``until`` at most (see the session module)."""
         if self.released or self._lost is not None:
             return
         self.suspended_until = until
-        self._deadline = min(self.bound, until)
-        self.next_renewal = self._deadline
-        watchdog.add(self)  # the watchdog reports the loss when that runs out
+        self._settle()
+        watchdog.add(self)  # wakes the watchdog if the cut comes before its next look
 
     def resume(self) -> None:
         """The same session is back: lift the cut (unless it already ran out)."""
@@ -151,18 +176,20 @@ class ZkLease(Lease):
             self.notice_expiry()
             return
         self.suspended_until = None
-        self._deadline = self.bound
-        self.next_renewal = self.bound
-        if math.isinf(self.bound):
-            watchdog.discard(self)
+        self._settle()
 
     def _expiry_reason(self) -> str:
+        if self.max_hold is not None and self._deadline >= self.bound:
+            return f"held for its max_hold of {self.max_hold:g} s; no longer renewed"
         if self.suspended_until is not None and self._deadline >= self.suspended_until:
             return (
                 "the connection to ZooKeeper was lost for longer than the session can be "
                 "trusted to outlive it (the lock node may be gone)"
             )
-        return super()._expiry_reason()
+        return (
+            "no ZooKeeper server answered for longer than the session timeout allows "
+            "(process paused, or the ensemble unreachable): the session may have expired"
+        )
 
 
 class _Guard:
@@ -295,6 +322,8 @@ class ZooKeeperBackend:
         self.ttl = check_ttl("dlock_ttl", ttl, drift_factor)
         self.drift_factor = drift_factor
         self.base = f"{self.url.chroot}/{prefix}"
+        #: No Redis nodes: the watchdog's failover hurry (renewal.Watchdog.hurry) finds none.
+        self.nodes: list[Any] = []
         self.settings = ZkSettings(
             (self.url.shown,), self.ttl, prefix, self.url.timeout, drift_factor
         )
@@ -421,16 +450,15 @@ class ZooKeeperBackend:
             holder=holder,
             ttl=ttl,
             started=begun,
-            deadline=math.inf if max_hold is None else begun + max_hold,
-            renew_interval=None,
+            deadline=begun + self._validity(session),
+            renew_interval=session.negotiated / 3,
             max_hold=max_hold,
             sender=sender,
         )
         if on_lost is not None:
             lease.on_lost(on_lost)
         session.add(lease)
-        if max_hold is not None:
-            watchdog.add(lease)  # reports the loss when max_hold runs out
+        watchdog.add(lease)  # confirms the session every third of its timeout (renew())
         guard.attach(lease)
         log.debug("acquired key=%s token=%s waited=%.3f", key, lease.token, waited_for)
         lock_acquired.send(
@@ -655,9 +683,37 @@ class ZooKeeperBackend:
 
         return check
 
+    def _validity(self, session: SharedClient) -> float:
+        """How long after sending a request that is answered the session surely lives."""
+        return session.negotiated - drift(session.negotiated, self.drift_factor)
+
     def renew(self, leases: Sequence[Lease]) -> list[str | None]:
-        """Nothing to renew: the session keeps the nodes (kazoo's pings keep the session)."""
-        return [None] * len(leases)
+        """Confirm each lease's node with one ``exists`` (all sent together): the answer moves
+        its validity on (see :class:`ZkLease`); no answer is undecided (None), the watchdog
+        tries again until the validity runs out; a missing node is a loss."""
+        session = self.shared
+        started = time.monotonic()
+        try:
+            client = session.start()
+        except LockUnavailable:
+            return [None] * len(leases)
+        sent = [client.exists_async(lease.path) for lease in leases if isinstance(lease, ZkLease)]
+        timeout = max(0.001, min(lease.valid_for for lease in leases))
+        out: list[str | None] = []
+        for lease, result in zip(leases, sent, strict=True):
+            try:
+                stat = result.get(timeout=max(0.001, started + timeout - time.monotonic()))
+            except KAZOO_ERRORS:
+                out.append(None)
+                continue
+            if stat is None:
+                out.append(
+                    "its lock node is gone (deleted by another client, or its session expired)"
+                )
+            else:
+                lease.renewed(started, started + self._validity(session))
+                out.append(None)
+        return out
 
     def forget(self, lease: Lease) -> None:
         """Stop tracking ``lease`` without releasing it now; its node is deleted after its
