@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,11 @@ def until(check: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)  # a poll, bounded by the deadline
+
+
+def queued(backend: ZooKeeperBackend, key: str, n: int) -> bool:
+    """True once ``key`` has ``n`` nodes (its holder and waiters)."""
+    return len(backend.queue(key)) == n
 
 
 # -- URLs (no server) ---------------------------------------------------------------------------
@@ -201,7 +207,7 @@ def test_waiters_are_admitted_in_arrival_order(url: str) -> None:
         thread = threading.Thread(target=wait_turn, args=(n,))
         thread.start()
         threads.append(thread)
-        until(lambda n=n: len(backend.queue("fifo")) == n + 2, 10, f"waiter {n} queued")
+        until(partial(queued, backend, "fifo", n + 2), 10, f"waiter {n} queued")
     first.release()
     for thread in threads:
         thread.join(30)
@@ -220,7 +226,7 @@ def test_a_release_wakes_only_the_next_waiter(url: str) -> None:
     ]
     for n, thread in enumerate(threads):
         thread.start()
-        until(lambda n=n: len(watcher.queue("herd")) == n + 2, 10, f"waiter {n} queued")
+        until(partial(queued, watcher, "herd", n + 2), 10, f"waiter {n} queued")
     client = shared(backend.url).client
     seen: list[str] = []
     real_call = client._call
@@ -480,21 +486,23 @@ def test_a_holder_paused_past_its_session_finds_its_lease_invalid(url: str) -> N
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_paused_holder, args=(short, child))
     proc.start()
+    assert proc.pid is not None
+    pid = proc.pid
     try:
         assert parent.poll(20)
         _, token = parent.recv()
-        os.kill(proc.pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
         other = ZooKeeperBackend(url)
         with other.acquire("paused", wait=30) as next_lease:  # the child's session expired
             assert next_lease.token > token
-            os.kill(proc.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
             parent.send("go")
             assert parent.poll(20)
             state, reason = parent.recv()
         assert state == "lost"
         assert "session" in reason
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         proc.join(20)
 
 

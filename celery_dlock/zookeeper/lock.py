@@ -23,8 +23,8 @@ effect: a release wakes one waiter), so waiters are admitted in arrival (FIFO) o
   node's name, so a create whose reply was lost is found again (the recipe's "recoverable
   errors" advice) and an operator's release names one acquisition.
 * **Loss.** The holder watches its own node: a delete by anyone else (``celery dlock
-  release``) reports the lease lost. Session states map onto validity as described in
-  :mod:`celery_dlock.zookeeper.session`.
+  release``) reports the lease lost. Validity follows the session (:class:`ZkLease`); session
+  states map onto it as described in :mod:`celery_dlock.zookeeper.session`.
 """
 
 from __future__ import annotations
@@ -369,13 +369,15 @@ class ZooKeeperBackend:
         queued: bool = False,
         sender: Any = None,
         fence_retention: float | None = None,
-    ) -> Lease:
+    ) -> ZkLease:
         """Take ``key``: ``wait=0`` raises :class:`LockContended` at once when it is held,
         ``wait=s`` queues up to ``s`` seconds (FIFO), ``wait=None`` without bound.
 
-        No ttl bounds a ZooKeeper lease: it lasts while the session does (``ttl``,
-        ``renew`` and ``renew_interval`` are accepted for the common signature and unused).
-        ``fence_retention`` is moot: the token is a zxid, never reset per key.
+        No ttl bounds a ZooKeeper lease: its node lasts while the session does, and its
+        validity is confirmed every third of the session timeout (:class:`ZkLease`); ``ttl``
+        only times :meth:`forget`, and ``renew``/``renew_interval`` are accepted for the
+        common signature and unused. ``fence_retention`` is moot: the token is a zxid, never
+        reset per key.
         """
         key = check_key(key)
         ttl = self.ttl if ttl is None else check_ttl("ttl", ttl, self.drift_factor)
@@ -412,7 +414,7 @@ class ZooKeeperBackend:
         queued: bool = False,
         sender: Any = None,
         fence_retention: float | None = None,
-    ) -> Lease:
+    ) -> ZkLease:
         """:meth:`acquire` for arguments already checked."""
         if takeover or queued:
             raise ConfigError(

@@ -6,16 +6,22 @@ A lock node is *ephemeral*: it lives exactly as long as the session that created
 lease is exactly as good as its session, and kazoo's three states say how good that is
 (https://kazoo.readthedocs.io/en/latest/basic_usage.html#understanding-kazoo-states):
 
-* ``CONNECTED`` — the session is live: the lease is valid with no end on our side
-  (``valid_for`` is infinite, unless ``max_hold`` bounds it); nothing needs renewing.
+* ``CONNECTED`` — the session is live. A lease is valid until the session timeout after the
+  last request of ours the servers answered (counted from when it was sent), minus the drift
+  allowance; the watchdog sends one such request (an ``exists`` on the lease's node) every
+  third of the timeout (:class:`celery_dlock.zookeeper.lock.ZkLease`).
 * ``SUSPENDED`` — the connection is gone and the session may or may not still be alive on the
   servers. kazoo declares this when a heartbeat ping has gone unanswered (it pings after a third
   of the session timeout without traffic, and gives up on the ping after another third), so the
   servers heard from us no earlier than ``read_timeout`` = 2/3 of the *negotiated* session
   timeout before the suspension. The session therefore cannot expire on the servers before
-  ``suspended_at + timeout/3``: each lease's validity is cut to that, minus the clock-drift
-  allowance, and the watchdog reports it lost (interrupting a task body with ``LockLost``) when
-  it runs out. If the connection comes back with the same session first, the cut is lifted.
+  ``suspended_at + timeout/3``: each lease's validity is cut to that (if it is not already
+  shorter), minus the clock-drift allowance, and the watchdog reports it lost (interrupting a
+  task body with ``LockLost``) when it runs out, before the servers can have expired the
+  session. If the connection comes back with the same session first, the cut is lifted.
+  This assumes the server we talked to was in touch with the ensemble's leader: a follower cut
+  off from its leader keeps answering for up to ``syncLimit * tickTime`` (server settings the
+  client cannot read), which should stay well under a third of the session timeout.
 * ``LOST`` — the session expired: its nodes are gone and another client may hold the key. Every
   lease is reported lost at once.
 
