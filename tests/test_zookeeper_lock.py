@@ -567,6 +567,43 @@ def test_leader_killed_no_two_holders_and_tokens_still_increase(
 
 @needs_zk
 @pytest.mark.slow
+def test_waiters_keep_their_order_through_a_leader_change(ens: Ensemble, ens_url: str) -> None:
+    backend = ZooKeeperBackend(ens_url)
+    watcher = _second_client(ens_url)
+    first = backend.acquire("order")
+    admitted: list[int] = []
+    inside = 0
+    overlaps = 0
+    guard = threading.Lock()
+
+    def wait_turn(n: int) -> None:
+        nonlocal inside, overlaps
+        with backend.acquire("order", wait=60):
+            with guard:
+                inside += 1
+                overlaps += inside > 1
+                admitted.append(n)
+            with guard:
+                inside -= 1
+
+    threads = []
+    for n in range(4):
+        thread = threading.Thread(target=wait_turn, args=(n,))
+        thread.start()
+        threads.append(thread)
+        until(partial(queued, watcher, "order", n + 2), 10, f"waiter {n} queued")
+    ens.leader().stop(kill=True)
+    ens.leader()  # a new one elected
+    assert not first.lost
+    first.release()
+    for thread in threads:
+        thread.join(60)
+    assert admitted == [0, 1, 2, 3]
+    assert overlaps == 0
+
+
+@needs_zk
+@pytest.mark.slow
 def test_a_minority_stopped_locks_still_work(ens: Ensemble, ens_url: str) -> None:
     follower = next(s for s in ens.servers if s.mode() == "follower")
     follower.stop()
