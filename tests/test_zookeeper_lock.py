@@ -462,6 +462,25 @@ def test_a_held_lease_stays_valid_past_the_session_timeout(url: str) -> None:
         lease.ensure()
 
 
+@needs_zk
+def test_a_waiter_admitted_after_a_long_wait_gets_a_valid_lease(url: str) -> None:
+    """Its validity counts from a request answered at admission, not from its queueing."""
+    holder = _second_client(url)
+    waiter = ZooKeeperBackend(url.replace("timeout=4", "timeout=1"))
+    first = holder.acquire("long-wait")
+    got: list[Lease] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire("long-wait", wait=30)))
+    thread.start()
+    until(partial(queued, holder, "long-wait", 2), 10, "the waiter queued")
+    time.sleep(1.5)  # not a synchronisation: the point is to wait past the session timeout
+    first.release()
+    thread.join(10)
+    assert got
+    assert not got[0].lost
+    assert got[0].valid_for > 0.5
+    got[0].release()
+
+
 def _paused_holder(url: str, conn: Any) -> None:
     """In a forked child: take the key, report, get stopped; then say what ensure() says."""
     backend = ZooKeeperBackend(url)

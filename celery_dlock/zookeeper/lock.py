@@ -434,9 +434,7 @@ class ZooKeeperBackend:
         name = path.rsplit("/", 1)[1]
         guard.path = path
         try:
-            waited_for = self._queue(
-                client, session, key, parent, name, children, wait, begun, guard
-            )
+            proven = self._queue(client, session, key, parent, name, children, wait, begun, guard)
         except LockContended:
             raise  # our node is already deleted (see _contended)
         except BaseException:
@@ -451,8 +449,8 @@ class ZooKeeperBackend:
             head=data.decode(),
             holder=holder,
             ttl=ttl,
-            started=begun,
-            deadline=begun + self._validity(session),
+            started=proven,
+            deadline=proven + self._validity(session),
             renew_interval=session.negotiated / 3,
             max_hold=max_hold,
             sender=sender,
@@ -462,6 +460,7 @@ class ZooKeeperBackend:
         session.add(lease)
         watchdog.add(lease)  # confirms the session every third of its timeout (renew())
         guard.attach(lease)
+        waited_for = time.monotonic() - begun
         log.debug("acquired key=%s token=%s waited=%.3f", key, lease.token, waited_for)
         lock_acquired.send(
             sender=sender, key=key, token=lease.token, task_id=holder, waited=waited_for
@@ -534,9 +533,11 @@ class ZooKeeperBackend:
         begun: float,
         guard: _Guard,
     ) -> float:
-        """Wait until our node is the lowest; the seconds waited. Raises LockContended when
-        ``wait`` runs out (our node is then deleted by the caller)."""
+        """Wait until our node is the lowest. Returns when the last request that showed it
+        was sent (the session surely lives until then + its timeout: see :class:`ZkLease`).
+        Raises LockContended when ``wait`` runs out (our node is then deleted)."""
         deadline = None if wait is None else begun + wait
+        proven = begun  # the create's send time
         while True:
             ordered = sorted(children, key=_seq)
             if name not in ordered:
@@ -547,7 +548,7 @@ class ZooKeeperBackend:
                 )
             position = ordered.index(name)
             if position == 0:
-                return time.monotonic() - begun
+                return proven
             if deadline is not None and time.monotonic() >= deadline:
                 guard.cancel()
                 raise self._contended(client, session, key, parent, ordered[0], name)
@@ -567,18 +568,24 @@ class ZooKeeperBackend:
                 with session.lock:
                     session.waiters.add(woken)
                 guard.watch_own(now=True)  # sent with the next request: ready once admitted
+                asked = time.monotonic()
                 watching = session.call(partial(client.exists_async, predecessor, watch=wake))
+                proven = asked
                 if watching is not None:
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     woken.wait(left)
                 gone = watching is None or any(e.type == EventType.DELETED for e in events)
-                if position == 1 and gone and not guard.deleted:
+                fresh = time.monotonic() - proven < session.negotiated / 3
+                if position == 1 and gone and fresh and not guard.deleted:
                     # Our listing came after our create, so it showed every node older than
                     # ours; only the predecessor was, and no older node can appear later. It
                     # is gone: ours is the lowest, no need to list again (saves a round trip
-                    # on every hand-over).
-                    return time.monotonic() - begun
+                    # on every hand-over). After a long wait the listing is sent anyway: its
+                    # answer is the fresh proof of the session the lease's validity needs.
+                    return proven
+                asked = time.monotonic()
                 children = list(session.call(lambda: client.get_children_async(parent)))
+                proven = asked
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "wait for", exc) from exc
             finally:
