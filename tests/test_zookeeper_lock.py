@@ -393,6 +393,19 @@ def test_check_names_a_server_that_does_not_answer(zk: ZkServer) -> None:
 
 
 @needs_zk
+def test_a_forgotten_lease_keeps_its_key_for_its_ttl(url: str) -> None:
+    """forget() (beat's tick keys): no release now; the node is deleted once the ttl is up."""
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("tick", ttl=0.6, holder="beat")
+    backend.forget(lease)
+    forgotten = time.monotonic()
+    with pytest.raises(LockContended):
+        _second_client(url).acquire("tick")
+    until(lambda: backend.holder("tick") is None, 10, "the node deleted")
+    assert time.monotonic() - forgotten >= 0.5
+
+
+@needs_zk
 def test_release_is_idempotent_and_frees_the_key(url: str) -> None:
     backend = ZooKeeperBackend(url)
     lease = backend.acquire("idem")

@@ -31,6 +31,7 @@ and its socket is shared with the parent): the first use in the child makes a ne
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
@@ -137,6 +138,7 @@ class SharedClient:
         )
         self.client.add_listener(self._on_state)
         self._started = False
+        self._closing = False
 
     # -- connection --------------------------------------------------------------------------
 
@@ -167,6 +169,7 @@ class SharedClient:
             return self.client
         with self.lock:
             if not self._started:
+                self._closing = False
                 try:
                     self.client.start(timeout=self.url.timeout)
                 except KAZOO_ERRORS as exc:
@@ -183,6 +186,7 @@ class SharedClient:
         """Close the session (its nodes go at once) and the connection."""
         with self.lock:
             started, self._started = self._started, False
+            self._closing = True
         # Not under self.lock: stopping waits for kazoo's thread, which calls _on_state.
         if started and self.pid == forks.pid():
             self.client.stop()
@@ -235,12 +239,16 @@ class SharedClient:
                 self.owed.clear()  # the session's nodes are gone with it
                 for event in self.waiters:
                     event.set()
+                reason = (
+                    "this process closed its ZooKeeper session (client stopped, or the process "
+                    "exiting): its lock node is gone"
+                    if self._closing
+                    else "the ZooKeeper session expired: its lock node is gone and another "
+                    "client may hold the key"
+                )
                 for lease in leases:
                     watchdog.discard(lease)
-                    lease.mark_lost(
-                        "the ZooKeeper session expired: its lock node is gone and another "
-                        "client may hold the key"
-                    )
+                    lease.mark_lost(reason)
             else:  # CONNECTED: the same session again (a new one follows LOST)
                 self.connected.set()
                 self.suspended_at = None
@@ -299,9 +307,13 @@ def shared(url: ZkUrl) -> SharedClient:
 
 
 def close_all() -> None:
-    """Stop every client of this process (tests; a process exit ends the sessions anyway)."""
+    """Stop every client of this process: its sessions end now, and their nodes go with them
+    (at exit, so a lock a process still held is free at once, not a session timeout later)."""
     with _registry_lock:
         clients = list(_clients.values()) if _registry_pid == forks.pid() else []
         _clients.clear()
     for client in clients:
         client.stop()
+
+
+atexit.register(close_all)
