@@ -33,7 +33,7 @@ from typing import Any, overload
 
 from celery_dlock import forks
 
-TOKEN_BYTES = 20
+NONCE_BYTES = 20
 
 
 @dataclass(frozen=True, init=False)
@@ -183,13 +183,13 @@ class _ProcessPart:
 _process_part = _ProcessPart()
 
 
-class _Tokens:
-    """Random tokens from ``secrets``, drawn 64 at a time.
+class _Nonces:
+    """Random acquisition nonces from ``secrets``, drawn 64 at a time.
 
     Each ``os.urandom`` call is a system call (about 12 µs on a small VM, a tenth of a lock
-    cycle); one draw of 64 tokens' worth costs about the same. Every token is still 20 fresh
+    cycle); one draw of 64 nonces' worth costs about the same. Every nonce is still 20 fresh
     random bytes, used once; the stock is dropped after fork, so a child never repeats its
-    parent's tokens.
+    parent's nonces.
     """
 
     BATCH = 64
@@ -202,27 +202,27 @@ class _Tokens:
     def next(self) -> str:
         with self._lock:
             if self._pid != forks.pid() or not self._stock:
-                raw = secrets.token_bytes(TOKEN_BYTES * self.BATCH)
+                raw = secrets.token_bytes(NONCE_BYTES * self.BATCH)
                 self._stock = [
-                    base64.urlsafe_b64encode(raw[i : i + TOKEN_BYTES]).rstrip(b"=").decode()
-                    for i in range(0, len(raw), TOKEN_BYTES)
+                    base64.urlsafe_b64encode(raw[i : i + NONCE_BYTES]).rstrip(b"=").decode()
+                    for i in range(0, len(raw), NONCE_BYTES)
                 ]
                 self._pid = forks.pid()
             return self._stock.pop()
 
 
-_tokens = _Tokens()
+_nonces = _Nonces()
 
 
-def value_head(holder: str | None, *, queued: bool = False, task: str | None = None) -> str:
+def value_head(task_id: str | None, *, queued: bool = False, task: str | None = None) -> str:
     """Everything of a new value up to the fencing token, with a fresh random nonce.
 
-    ``holder`` is the task id to write (or None). The acquire script appends ``<fence>}``; the
+    ``task_id`` is the holder id to write (or None). The acquire script appends ``<fence>}``; the
     full value is ``head + str(fence) + "}"``. ``queued`` marks the lock an enqueued message
     holds until its execution takes it over.
     """
-    nonce = _tokens.next()
-    who = "null" if holder is None else json.dumps(holder)
+    nonce = _nonces.next()
+    who = "null" if task_id is None else json.dumps(task_id)
     since = int(time.time() * 1000)
     mark = ',"queued":true' if queued else ""
     if task is not None:
