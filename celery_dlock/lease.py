@@ -1,12 +1,11 @@
 """A held lock: its fencing token, how long it stays valid, and whether it was lost.
 
 Validity is kept on ``time.monotonic()``, counted from *before* the acquire or renew request was
-sent, minus the clock-drift allowance. So the holder's view always ends before the backend's own
-expiry: the client must believe its lease over before the server lets another client take it
-(Kleppmann, "How to do distributed locking",
-https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html), and a wall-clock
-jump changes nothing. :meth:`Lease.ensure` is the check to make right before touching the
-protected resource.
+sent, minus the clock-drift allowance, as Redlock computes a lock's validity
+(https://redis.io/docs/latest/develop/use/distributed-locks/). So the holder's view always ends
+before the backend's own expiry, and a wall-clock jump changes nothing: the holder stops
+believing it holds the key before anyone else can be given it. :meth:`Lease.ensure` is the
+check to make right before touching the protected resource.
 
 A lease knows the backend that issued it only through :class:`LeaseBackend` (the two calls it
 and the watchdog make), so this module imports no backend.
