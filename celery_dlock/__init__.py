@@ -19,9 +19,8 @@ from celery_dlock.errors import (
     LockUnavailable,
 )
 from celery_dlock.guard import LockGuard, lock
-from celery_dlock.holder import Holder
+from celery_dlock.holder import Holder, LockInfo
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockInfo
 from celery_dlock.signals import lock_acquired, lock_contended, lock_lost, lock_released
 from celery_dlock.task import SingletonTask
 

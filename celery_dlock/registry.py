@@ -1,9 +1,11 @@
-"""One lock manager per app or URL list, made on first use and shared by the process.
+"""One lock backend per app or URL list, made on first use and shared by the process.
 
-A manager owns the Redis clients of one node set, so sharing it means ``lock()`` and every
-task reuse the same connections. An app's ``dlock_*`` settings are read once, on first use
-(after the app's configuration has loaded); :func:`forget` drops what was cached, for tests
-that reconfigure an app.
+A backend owns the clients of one node set, so sharing it means ``lock()`` and every task
+reuse the same connections. The only backend today is Redis (:class:`LockManager`):
+:func:`backend_for` is what backend-neutral code calls, :func:`manager_for` the same object
+typed as the Redis backend, for code that still needs it so. An app's ``dlock_*`` settings are
+read once, on first use (after the app's configuration has loaded); :func:`forget` drops what
+was cached, for tests that reconfigure an app.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_dlock.config import Settings, check_urls, settings_from_app
 from celery_dlock.errors import ConfigError
 from celery_dlock.redlock import LockManager
+
+if TYPE_CHECKING:
+    from celery_dlock.backend import Backend
 
 _managers: dict[Settings, LockManager] = {}
 #: URL lists already checked, as given: ``lock(urls, key)`` parses and checks them once, not
@@ -58,6 +63,12 @@ def manager_for(app_or_urls: Any) -> LockManager:
         "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
         f"{type(app_or_urls).__name__} ({app_or_urls!r})."
     )
+
+
+def backend_for(app_or_urls: Any) -> Backend:
+    """The shared backend for a Celery app (its ``dlock_*`` settings) or URL list; a backend
+    given is returned as it is."""
+    return manager_for(app_or_urls)
 
 
 def forget(app: Any) -> None:

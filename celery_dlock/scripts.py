@@ -242,7 +242,9 @@ return out
 """
 
 #: An operator's forced release: blacklist the holder's acquisition rather than only delete it,
-#: so its next renewal reports the lease lost instead of re-taking the key.
+#: so its next renewal reports the lease lost instead of re-taking the key: a holder must learn
+#: it lost the lock rather than silently regain it (Kleppmann, "How to do distributed locking",
+#: https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html).
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] waiter signal list, KEYS[4] the
 #: revoked marker of the acquisition (named after its token). ARGV[1] that token, ARGV[2]

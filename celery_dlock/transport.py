@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, cast
 
@@ -46,6 +46,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock import diagnose, endpoints, forks, scripts
+from celery_dlock.background import ProcessPool
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:  # redis-py's own serializer wraps this C packer in Python that costs more than it does
@@ -559,36 +560,11 @@ def is_connected(conn: Connection) -> bool:
     return getattr(conn, "_sock", None) is not None
 
 
-class _ProcessPool:
-    """A small persistent thread pool, made on first use and again after fork."""
-
-    def __init__(self, name: str, workers: int) -> None:
-        self._name = name
-        self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = forks.pid()
-        self._lock = threading.Lock()
-
-    def get(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pid != forks.pid():
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._name)
-                self._pid = forks.pid()
-            return self._pool
-
-
 #: Opens several connections in parallel, so that nodes which accept TCP but never answer
 #: delay a call by one timeout, not one per node. Only ever runs ``connect()``, never waits on
 #: itself, so it cannot deadlock; its threads start on demand, and there are enough that one
 #: caller's connects (the watchdog's) do not queue behind many others'.
-_connector = _ProcessPool("dlock-connect", 64)
-#: Runs one-shot cleanup (releasing what a lost lease may still hold) off the caller's thread.
-_background = _ProcessPool("dlock-background", 4)
-
-
-def background(fn: Any, *args: Any) -> None:
-    """Run ``fn(*args)`` on a small background thread pool, not waiting for it."""
-    _background.get().submit(fn, *args)
+_connector = ProcessPool("dlock-connect", 64)
 
 
 def _connect_all(
