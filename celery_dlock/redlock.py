@@ -31,6 +31,7 @@ from typing import Any
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
+from celery_dlock.cluster import node_for
 from celery_dlock.config import (
     Settings,
     check_key,
@@ -45,15 +46,13 @@ from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.holder import Holder, head_token, parse_value, value_head
 from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
+from celery_dlock.nodes import Node, Reply
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_lost, lock_released
 from celery_dlock.transport import (
     Deferred,
-    Node,
-    Reply,
     Resend,
     blocking_pop,
-    node_for,
     run_script,
     send_deferred,
     send_script,

@@ -17,13 +17,13 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from celery_dlock import forks, transport
+from celery_dlock import forks, nodes
 from celery_dlock.transport import background
 
 if TYPE_CHECKING:
     from celery_dlock.lease import Lease
+    from celery_dlock.nodes import Node
     from celery_dlock.redlock import LockManager
-    from celery_dlock.transport import Node
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -183,4 +183,4 @@ def _slack(lease: Lease) -> float:
 
 
 watchdog = Watchdog()
-transport.switch_hooks.append(watchdog.hurry)
+nodes.switch_hooks.append(watchdog.hurry)
