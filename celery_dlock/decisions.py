@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 from redis.exceptions import ResponseError
 
 from celery_dlock.holder import Holder, parse_value
-from celery_dlock.transport import Reply, unsent
+from celery_dlock.nodes import Reply
+from celery_dlock.transport import unsent
 
 # Extend-script codes (see scripts.EXTEND).
 EXTENDED, ABSENT, RETAKEN, TAKEN, REVOKED = 1, 0, 2, 3, 4

@@ -12,7 +12,7 @@ from redis.exceptions import MovedError, NoPermissionError
 from redis.sentinel import MasterNotFoundError
 
 if TYPE_CHECKING:
-    from celery_dlock.transport import Node
+    from celery_dlock.nodes import Node
 
 #: Every command a lock user runs: the scripts by SHA (and by source after a ``SCRIPT FLUSH``),
 #: the blocking wait, the operator listing (SCAN), and each command the Lua scripts in

@@ -25,7 +25,8 @@ from celery_dlock.diagnose import describe, refusal
 from celery_dlock.endpoints import redact
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.holder import Holder, LockInfo, parse_value
-from celery_dlock.transport import Node, run_script
+from celery_dlock.nodes import Node
+from celery_dlock.transport import run_script
 
 log_release = logging.getLogger("celery_dlock.release")
 

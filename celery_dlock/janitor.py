@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_dlock import forks, transport
-from celery_dlock.transport import Node, run_script
+from celery_dlock.nodes import Node
+from celery_dlock.transport import run_script
 
 log = logging.getLogger("celery_dlock.release")
 

@@ -34,7 +34,8 @@ from typing import Any
 from redis.crc import key_slot
 from redis.exceptions import RedisError, ResponseError
 
-from celery_dlock import decisions, inspection, transport
+from celery_dlock import decisions, inspection, nodes
+from celery_dlock.cluster import node_for
 from celery_dlock.config import (
     Settings,
     check_key,
@@ -51,15 +52,13 @@ from celery_dlock.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.inspection import revoked_key
 from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
+from celery_dlock.nodes import Node, Reply
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_lost, lock_released
 from celery_dlock.transport import (
     Deferred,
-    Node,
-    Reply,
     Resend,
     blocking_pop,
-    node_for,
     run_script,
     send_deferred,
     send_script,
@@ -785,4 +784,4 @@ def _hurry(node: Node) -> None:
     watchdog.hurry(lambda backend: isinstance(backend, LockManager) and node in backend.nodes)
 
 
-transport.switch_hooks.append(_hurry)
+nodes.switch_hooks.append(_hurry)

@@ -23,9 +23,10 @@ from celery import Celery
 
 from celery_dlock import LockContended, LockUnavailable, SingletonTask, lock
 from celery_dlock.diagnose import ACL_COMMANDS, acl_rules
+from celery_dlock.nodes import Node
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
-from celery_dlock.transport import Node, _stale
+from celery_dlock.transport import _stale
 from tests.test_cli import dlock as dlock_cli
 from tests.tls import Certificates, TlsProxy, make_certificates, tls_url
 
