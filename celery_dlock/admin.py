@@ -17,7 +17,7 @@ holder's next renewal reports the lease lost (a task with ``on_lock_lost="raise"
 stopped), and moves the fencing counter on, so the holder's token is stale at once.
 
 Everything here goes through :class:`celery_dlock.backend.Backend`: how a store lists, reads
-and force-releases its keys is the backend's business (Redis: :mod:`celery_dlock.inspection`).
+and force-releases its keys is the backend's business (Redis: :mod:`celery_dlock.redis.inspection`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :class:`Backend` lists what the lease core, :func:`celery_dlock.lock`, ``SingletonTask``, beat,
 the operator functions (:mod:`celery_dlock.admin`, ``celery dlock``) and the compat layers call.
-Today's only implementation is :class:`celery_dlock.redlock.LockManager` (one Redis, a Redis
+Today's only implementation is :class:`celery_dlock.redis.redlock.LockManager` (one Redis, a Redis
 Cluster, or Redlock over N masters); another (ZooKeeper) must keep the same promises:
 
 **Fencing.** Every lease carries a fencing token (:attr:`Lease.token`, an int) strictly greater

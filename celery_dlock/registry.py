@@ -15,9 +15,9 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_dlock.config import Settings, check_urls, settings_from_app
+from celery_dlock.config import Settings, backend_module, check_urls, settings_from_app
 from celery_dlock.errors import ConfigError
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.redlock import LockManager
 
 if TYPE_CHECKING:
     from celery_dlock.backend import Backend
@@ -34,7 +34,7 @@ def manager_for_settings(settings: Settings) -> LockManager:
     with _registry_lock:
         manager = _managers.get(settings)
         if manager is None:
-            manager = _managers[settings] = LockManager(settings)
+            manager = _managers[settings] = backend_module(settings.urls).make_backend(settings)
         return manager
 
 

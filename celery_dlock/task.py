@@ -55,7 +55,7 @@ from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavai
 from celery_dlock.holder import Holder, head_token
 from celery_dlock.keys import UNKEYABLE_FIX, KeyBuilder
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager, PendingAcquire
+from celery_dlock.redis.redlock import LockManager, PendingAcquire
 from celery_dlock.registry import manager_for
 from celery_dlock.signals import lock_contended
 

@@ -1,4 +1,4 @@
-"""The Redis backend's decisions from replies already read (celery_dlock.decisions): no Redis."""
+"""The Redis backend's decisions from replies already read (redis/decisions.py): no Redis."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_dlock import decisions
-from celery_dlock.decisions import ABSENT, EXTENDED, RETAKEN, REVOKED, TAKEN
 from celery_dlock.holder import Holder, value_head
-from celery_dlock.inspection import holder_of
-from celery_dlock.transport import CoolingDown
+from celery_dlock.redis import decisions
+from celery_dlock.redis.decisions import ABSENT, EXTENDED, RETAKEN, REVOKED, TAKEN
+from celery_dlock.redis.inspection import holder_of
+from celery_dlock.redis.transport import CoolingDown
 
 
 def value(head: str, fence: int) -> bytes:

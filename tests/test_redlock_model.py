@@ -48,7 +48,7 @@ from hypothesis.stateful import (
 from celery_dlock import LockContended, LockUnavailable
 from celery_dlock.config import drift
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
 

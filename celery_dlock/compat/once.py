@@ -29,7 +29,7 @@ from celery_dlock.compat.peer import (
 )
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for, manager_for_settings
 from celery_dlock.task import HEADER_QUEUED, PEER_OPTIONS
 

@@ -22,9 +22,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_dlock import diagnose, endpoints, forks
-from celery_dlock.nodes import Node, Reply, SentinelNode, is_connected
-from celery_dlock.transport import _drain, _read, run_script
+from celery_dlock import forks
+from celery_dlock.redis import diagnose, endpoints
+from celery_dlock.redis.nodes import Node, Reply, SentinelNode, is_connected
+from celery_dlock.redis.transport import _drain, _read, run_script
 
 #: Redirections (MOVED, ASK) and TRYAGAIN retries one Cluster call follows before giving up.
 CLUSTER_REDIRECTS = 5

@@ -10,8 +10,8 @@ Connections are redis-py ``Connection`` objects built from the node's pool setti
 options, TLS, authentication and the hiredis parser work as in redis-py. Scripts are redis-py
 ``Script`` objects registered on each node's client; their SHA is what we send.
 
-The nodes and their connections are :mod:`celery_dlock.nodes`; a Redis Cluster
-(:mod:`celery_dlock.cluster`) routes each call to one of its masters, then uses this module.
+The nodes and their connections are :mod:`celery_dlock.redis.nodes`; a Redis Cluster
+(:mod:`celery_dlock.redis.cluster`) routes each call to one of its masters, then uses this module.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock.background import ProcessPool
-from celery_dlock.nodes import (
+from celery_dlock.redis.nodes import (
     Cluster,
     Connection,
     ConnState,
@@ -321,7 +321,7 @@ _Sent = tuple[Resend, Any, float]
 #: Seconds a reply-less command may stay unconfirmed (its thread not using that connection
 #: again) before the janitor sends it once more on its own connection.
 CONFIRM_GRACE = 1.0
-#: Wakes the janitor (set by :mod:`celery_dlock.janitor`, which imports this module).
+#: Wakes the janitor (set by :mod:`celery_dlock.redis.janitor`, which imports this module).
 sweeper: Callable[[], None] | None = None
 #: Connections that have carried a tracked command, for the janitor to look at; each is
 #: registered once, so the release path takes no lock.

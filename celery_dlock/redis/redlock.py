@@ -18,8 +18,8 @@ floored at the server clock (see :data:`scripts.ACQUIRE`).
 Waiting: a contender blocks on a signal list (``BLPOP``) that every release pushes one element
 to, so a release wakes exactly one waiter, and a crashed holder's expiry bounds the wait.
 
-What the replies decide is in :mod:`celery_dlock.decisions` (pure); the operator's reads and
-repairs are in :mod:`celery_dlock.inspection`.
+What the replies decide is in :mod:`celery_dlock.redis.decisions` (pure); the operator's reads and
+repairs are in :mod:`celery_dlock.redis.inspection`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from typing import Any
 from redis.crc import key_slot
 from redis.exceptions import RedisError, ResponseError
 
-from celery_dlock import decisions, inspection, nodes
-from celery_dlock.cluster import node_for
 from celery_dlock.config import (
     Settings,
     check_key,
@@ -45,17 +43,17 @@ from celery_dlock.config import (
     drift,
     quorum,
 )
-from celery_dlock.decisions import Refusal, ms
-from celery_dlock.diagnose import describe
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.holder import Holder, LockInfo, head_nonce, value_head
-from celery_dlock.inspection import revoked_key
-from celery_dlock.janitor import janitor
 from celery_dlock.lease import Lease, LostCallback
-from celery_dlock.nodes import Node, Reply
-from celery_dlock.renewal import watchdog
-from celery_dlock.signals import lock_acquired, lock_lost, lock_released
-from celery_dlock.transport import (
+from celery_dlock.redis import decisions, inspection, nodes
+from celery_dlock.redis.cluster import node_for
+from celery_dlock.redis.decisions import Refusal, ms
+from celery_dlock.redis.diagnose import describe
+from celery_dlock.redis.inspection import revoked_key
+from celery_dlock.redis.janitor import janitor
+from celery_dlock.redis.nodes import Node, Reply
+from celery_dlock.redis.transport import (
     Deferred,
     Resend,
     blocking_pop,
@@ -63,6 +61,8 @@ from celery_dlock.transport import (
     send_deferred,
     send_script,
 )
+from celery_dlock.renewal import watchdog
+from celery_dlock.signals import lock_acquired, lock_lost, lock_released
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -629,7 +629,7 @@ class LockManager:
             log_release.info("released key=%s (acquisition %s…) on %d node(s)", key, nonce[:6], n)
         return n >= self.quorum
 
-    # -- inspect and repair (the operator's; see celery_dlock.inspection) ------------------
+    # -- inspect and repair (the operator's; see celery_dlock.redis.inspection) ------------------
 
     def holder(self, key: str) -> Holder | None:
         """The current holder as a majority sees it, or None when no one holds ``key``.

@@ -6,7 +6,7 @@ acquisition's random token (see :mod:`celery_dlock.holder`), so ``head`` alone i
 owner, and on Redlock each node may append its own fence counter without making values differ
 where it matters.
 
-Replies are small integer codes; :mod:`celery_dlock.redlock` maps them to outcomes in one place.
+Replies are small integer codes; :mod:`.redlock` maps them to outcomes in one place.
 Requires Redis 6.2+ (or Valkey): scripts call ``TIME`` before writing (effects replication).
 """
 

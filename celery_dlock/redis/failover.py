@@ -9,7 +9,7 @@ key on the new master while its holder still believes it holds it.
 So every process that uses a ``redis+sentinel://`` entry subscribes to ``+switch-master`` on
 each of its sentinels (redis-py's pubsub, on the sentinel clients redis-py's ``Sentinel``
 already keeps). When one announces a new master for the service, the node records its address
-(:meth:`celery_dlock.nodes.SentinelNode.switched_to`); from then on no connection of the
+(:meth:`celery_dlock.redis.nodes.SentinelNode.switched_to`); from then on no connection of the
 process sends anything to another address: each is dropped at its next use and opened again
 through the sentinels, the announcing one asked first, and the renewal watchdog renews this
 node's leases at once, on the new master.
@@ -45,7 +45,7 @@ RESUBSCRIBE_MAX = 10.0
 
 
 class Watched(Protocol):
-    """What a listener needs of the node it serves (:class:`celery_dlock.nodes.SentinelNode`,
+    """What a listener needs of the node it serves (:class:`celery_dlock.redis.nodes.SentinelNode`,
     whose module starts the listeners, so this one must not import it)."""
 
     @property

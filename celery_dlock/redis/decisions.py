@@ -2,7 +2,7 @@
 
 Each takes replies already read (or their codes) and the quorum, and returns a decision: who
 holds a key that refused us, why a lease is lost, whether a renewal kept it, which nodes may
-still run a command late. :class:`~celery_dlock.redlock.LockManager` does the talking and acts
+still run a command late. :class:`~celery_dlock.redis.redlock.LockManager` does the talking and acts
 on these; keeping them apart lets them be tested case by case without a Redis.
 
 The quorum rule is Redlock's (https://redis.io/docs/latest/develop/use/distributed-locks/): a
@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 from redis.exceptions import ResponseError
 
 from celery_dlock.holder import Holder, parse_value
-from celery_dlock.nodes import Reply
-from celery_dlock.transport import unsent
+from celery_dlock.redis.nodes import Reply
+from celery_dlock.redis.transport import unsent
 
 # Extend-script codes (see scripts.EXTEND).
 EXTENDED, ABSENT, RETAKEN, TAKEN, REVOKED = 1, 0, 2, 3, 4

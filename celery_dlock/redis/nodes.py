@@ -16,10 +16,11 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from celery_dlock import endpoints, failover, forks, scripts
+from celery_dlock import forks
+from celery_dlock.redis import endpoints, failover, scripts
 
 #: The logger operators know for connection problems with one node (docs/operations.md),
-#: shared with :mod:`celery_dlock.transport`.
+#: shared with :mod:`celery_dlock.redis.transport`.
 log = logging.getLogger("celery_dlock.transport")
 
 #: A node's answer: the script's reply, or the exception that stood in for it.
@@ -29,8 +30,8 @@ Connection = Any
 
 
 class Cluster(Protocol):
-    """What the fan-out needs of a whole Redis Cluster (:class:`celery_dlock.cluster.ClusterNode`),
-    which builds on this module and :mod:`celery_dlock.transport` and so cannot be named here."""
+    """What the fan-out needs of a whole Redis Cluster (:class:`.cluster.ClusterNode`),
+    which builds on this module and :mod:`.transport` and so cannot be named here."""
 
     def reload_later(self) -> None: ...
 
@@ -79,15 +80,15 @@ class ConnState:
 
 
 #: Unconfirmed reply-less commands of connections closed with their thread, for the janitor
-#: (:func:`celery_dlock.transport.overdue`): the node, and what to send again.
+#: (:func:`celery_dlock.redis.transport.overdue`): the node, and what to send again.
 orphans: list[tuple[Node, Any]] = []
 
 
 class Node:
     """One Redis master: a redis-py client, its scripts, and one connection per thread.
 
-    Also the base of :class:`celery_dlock.cluster.ClusterNode` (a whole Redis Cluster as one
-    lock node), which routes each call to a :class:`celery_dlock.cluster.Shard`, itself a
+    Also the base of :class:`celery_dlock.redis.cluster.ClusterNode` (a whole Redis Cluster as one
+    lock node), which routes each call to a :class:`celery_dlock.redis.cluster.Shard`, itself a
     ``Node`` for one master of the cluster.
     """
 
@@ -127,7 +128,7 @@ class Node:
         watchdog) a timeout or a new connection attempt. Skipping it only ever counts it as
         failed, which is never less safe; one call tries it again after the cool-down, and a
         call that could not reach a majority without it tries it at once (see
-        :func:`celery_dlock.transport.run_script`).
+        :func:`celery_dlock.redis.transport.run_script`).
         """
         self._down_until = time.monotonic() + max(0.5, 2 * self.timeout)
 
@@ -184,7 +185,7 @@ class Node:
         return False
 
 
-#: Hear Sentinel's ``+switch-master`` announcements (:mod:`celery_dlock.failover`); tests turn
+#: Hear Sentinel's ``+switch-master`` announcements (:mod:`celery_dlock.redis.failover`); tests turn
 #: it off to show what the other failover signals (``READONLY``, closed connections) do alone.
 HEAR_SWITCHES = True
 #: Called with a :class:`SentinelNode` when its sentinels announce a new master (the renewal
@@ -196,14 +197,14 @@ class SentinelNode(Node):
     """The master of a Sentinel-managed group, which can change while connections are open.
 
     Each process listens for the sentinels' ``+switch-master`` announcements
-    (:class:`celery_dlock.failover.SwitchWatch`). Once one names a new master, a connection to
+    (:class:`celery_dlock.redis.failover.SwitchWatch`). Once one names a new master, a connection to
     any other address is dropped before its next command and opened again through the
     sentinels; one that the sentinels still send elsewhere (a sentinel lagging behind the
     announcement) fails, unsent, rather than act on the old master, unless a sentinel names
     that master under a newer configuration epoch than the announcement's (a failover this
     process did not hear: :meth:`overtaken`). A script refused with
     ``READONLY`` (a master demoted by ``REPLICAOF`` keeps its clients) also drops the
-    connection and asks the sentinels again (:func:`celery_dlock.transport.run_script`).
+    connection and asks the sentinels again (:func:`celery_dlock.redis.transport.run_script`).
     """
 
     watched = True
@@ -247,7 +248,7 @@ class SentinelNode(Node):
         return announcement[0] if announcement is not None else None
 
     def switched_to(self, address: tuple[str, int], epoch: int | None = None) -> None:
-        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`), under
+        """A sentinel announced ``address`` as the master (:mod:`.failover`), under
         configuration epoch ``epoch`` (None: unknown). An announcement older than the one
         heard before (a lower epoch, from a sentinel that lags) is ignored."""
         before = self._announcement

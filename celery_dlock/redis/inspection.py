@@ -3,7 +3,7 @@ release, a purge, a health check of the nodes.
 
 None of this is on a lock's path: the operator command (:mod:`celery_dlock.admin`,
 ``celery dlock ...``), the compat layers and the worker's clean-up call these through
-:class:`~celery_dlock.redlock.LockManager`'s methods of the same names. Every read takes what a
+:class:`~.redlock.LockManager`'s methods of the same names. Every read takes what a
 majority of the nodes says, as Redlock counts a lock held
 (https://redis.io/docs/latest/develop/use/distributed-locks/): fewer answers raise
 :class:`LockUnavailable` rather than guess "not held".
@@ -19,14 +19,13 @@ from typing import Any, Protocol
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from celery_dlock.config import Settings, check_key
-from celery_dlock.decisions import ms
-from celery_dlock.diagnose import describe, refusal
-from celery_dlock.endpoints import redact
+from celery_dlock.config import Settings, check_key, redact
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.holder import Holder, LockInfo, parse_value
-from celery_dlock.nodes import Node
-from celery_dlock.transport import run_script
+from celery_dlock.redis.decisions import ms
+from celery_dlock.redis.diagnose import describe, refusal
+from celery_dlock.redis.nodes import Node
+from celery_dlock.redis.transport import run_script
 
 log_release = logging.getLogger("celery_dlock.release")
 
@@ -35,7 +34,7 @@ PROBE_KEY = "celery-dlock-check"
 
 
 class RedisNodes(Protocol):
-    """What these functions read of a :class:`~celery_dlock.redlock.LockManager`."""
+    """What these functions read of a :class:`~celery_dlock.redis.redlock.LockManager`."""
 
     settings: Settings
     nodes: list[Node]
