@@ -71,6 +71,7 @@ class Publisher(Protocol):
     @property
     def lease(self) -> Lease | None: ...
     def AsyncResult(self, task_id: str) -> Any: ...
+    def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str: ...
     def _dlock(self) -> _Settings: ...
     def _queued_ttl(self, options: Mapping[str, Any]) -> float: ...
     def _wire_key(
@@ -266,7 +267,7 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
     eta = headers.get("eta")
     options = {"eta": _parse_eta(eta)} if eta else {}
     try:
-        wanted = task._wire_key(body[0] or (), body[1] or {}, None)
+        wanted = task.lock_key_for(body[0] or (), body[1] or {})
         queued = queue_lock(task, wanted, headers["id"], options)
     except Exception:  # a bad argument fails in the worker with its clear error instead
         log_release.exception(

@@ -647,7 +647,10 @@ def _lease_stack(task: SingletonTask) -> list[Lease]:
     stacks: dict[int, list[Lease]] | None = getattr(_running, "stacks", None)
     if stacks is None:
         stacks = _running.stacks = {}
-    return stacks.setdefault(id(task), [])
+    stack = stacks.get(id(task))
+    if stack is None:  # not setdefault: that would build a list on every call
+        stack = stacks[id(task)] = []
+    return stack
 
 
 class _Resolved:
