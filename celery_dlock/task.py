@@ -24,7 +24,8 @@ renewal watchdog keeps the lease alive; if it is lost the body is stopped with
 
 With ``lock_on="enqueue"`` the key is taken when the task is published, as celery-singleton
 does: a duplicate ``.delay()`` returns the ``AsyncResult`` of the task already queued or running
-for that key, and the queued message's lock passes to its execution without a gap.
+for that key, and the queued message's lock passes to its execution without a gap (the publish
+side is :mod:`celery_dlock.enqueue`).
 
 Every option can be a keyword of ``@app.task(...)`` or a class attribute; they are checked when
 the task class is created.
