@@ -291,8 +291,9 @@ class SingletonTask(_TaskBase):
                 lease.ensure_lost_error()
             raise
         finally:
-            if run is not None:
-                interrupt.stop(run)  # a no-op when _run_body stopped it
+            # Still active: the body never ran, or the interrupt landed in _run_body's stop().
+            if run is not None and run.active:
+                interrupt.stop(run)
 
     def _acquire(
         self, resolved: _Resolved, key: str, request: Any, run: interrupt.Run | None
