@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from celery_dlock import admin
 from celery_dlock import beat as _beat  # noqa: F401  (connects the beat_init receiver)
-from celery_dlock import worker as _worker  # noqa: F401  (connects the Celery signal receivers)
+from celery_dlock import hooks as _hooks  # noqa: F401  (connects the Celery signal receivers)
 from celery_dlock.config import DLockConfigWarning
 from celery_dlock.errors import (
     ConfigError,

@@ -23,7 +23,7 @@ and force-releases its keys is the backend's business (Redis: :mod:`celery_dlock
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery.local import maybe_evaluate
@@ -118,8 +118,6 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
     every node. Never raises for what it finds: each problem is one line of the report, every
     wrong task among them.
     """
-    from celery_dlock.task import SingletonTask
-
     if not isinstance(app, Celery):  # (hasattr(app, "tasks") would finalize it)
         raise ConfigError(
             f"check needs a Celery app, not {type(app).__name__} ({app!r}); for a list of "
@@ -133,13 +131,16 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
         if str(exc) not in report.problems:
             report.problems.append(str(exc))
         tasks = dict(getattr(app, "_tasks", {}))  # those that could be created
-    singletons = sorted(n for n, t in tasks.items() if isinstance(t, SingletonTask))
+    # A SingletonTask (or a compat class) resolves its lock settings in _dlock(); looked up by
+    # that name, so that the operator functions do not depend on the Celery task layer.
+    singletons = sorted(n for n, t in tasks.items() if callable(getattr(type(t), "_dlock", None)))
     report.tasks = singletons
     try:
         beat_settings(app)
         backend = backend_for(app)
         for name in singletons:
-            cast(SingletonTask, tasks[name])._dlock()  # resolved, as its first run does
+            task: Any = tasks[name]
+            task._dlock()  # resolved, as its first run does
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report

@@ -47,9 +47,9 @@ from celery.signals import beat_init
 
 from celery_dlock.config import beat_settings
 from celery_dlock.errors import LockContended, LockUnavailable
+from celery_dlock.headers import HEADER_BEAT, HEADER_DUPLICATE_OF, HEADER_TICK
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
-from celery_dlock.task import HEADER_BEAT, HEADER_DUPLICATE_OF, HEADER_TICK
 
 log = logging.getLogger("celery_dlock.beat")
 

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
-from celery_dlock import interrupt
 from celery_dlock.errors import LockLost
 from celery_dlock.signals import lock_lost
 
@@ -44,6 +43,9 @@ class LeaseBackend(Protocol):
 
 class Lease:
     """One acquisition of a key, alive until released, expired, or found taken."""
+
+    #: Called by ensure() as it reports the loss, with this lease (set by a task body's run).
+    _told: Callable[[Lease], None] | None = None
 
     def __init__(
         self,
@@ -145,8 +147,9 @@ class Lease:
         """Raise :class:`LockLost` unless the lease is still held and valid right now."""
         if self._lost is None and not self._released and time.monotonic() < self._deadline:
             return
-        # The caller hears of the loss here: a lost-lease interrupt for it is called off.
-        interrupt.told(self)
+        # The caller hears of the loss here: whoever must know it does (a task body's interrupt).
+        if self._told is not None:
+            self._told(self)
         if self._lost is not None:
             raise self._lost
         if self._released:

@@ -19,6 +19,7 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
+from celery_dlock.backend import Backend
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,
@@ -29,9 +30,9 @@ from celery_dlock.compat.peer import (
 )
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.redis.redlock import LockManager
+from celery_dlock.headers import HEADER_QUEUED
 from celery_dlock.registry import manager_for, manager_for_settings
-from celery_dlock.task import HEADER_QUEUED, PEER_OPTIONS
+from celery_dlock.task import PEER_OPTIONS
 
 #: celery-once's Redis backend, under the names it can be given by.
 _REDIS_BACKENDS = ("celery_once.backends.Redis", "celery_once.backends.redis.Redis")
@@ -207,7 +208,7 @@ class QueueOnce(PeerTask):
     def unlock_before_run(self) -> bool:
         return bool(self.once.get("unlock_before_run", False))
 
-    def _lock_manager(self) -> LockManager:
+    def _lock_manager(self) -> Backend:
         settings = once_settings(self.app.conf)
         if self.app.conf.get("dlock_urls") is not None:
             return manager_for(self.app)

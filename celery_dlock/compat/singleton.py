@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from celery.utils import uuid
 
+from celery_dlock.backend import Backend
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,
@@ -25,7 +26,6 @@ from celery_dlock.compat.peer import (
 )
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError
-from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for, manager_for_settings
 from celery_dlock.task import PEER_OPTIONS
 
@@ -199,7 +199,7 @@ class Singleton(PeerTask):
             return bool(self.raise_on_duplicate)
         return bool(self.singleton_config.raise_on_duplicate)
 
-    def _lock_manager(self) -> LockManager:
+    def _lock_manager(self) -> Backend:
         """The nodes of ``dlock_urls`` when set, else celery-singleton's URL (see
         :attr:`SingletonConfig.backend_url`), with the app's other ``dlock_*`` settings."""
         config = self.singleton_config
@@ -331,7 +331,7 @@ def clear_locks(app: Any) -> list[str]:
     """
     # One scan per lock manager (per set of nodes), not one per task: a project may have
     # hundreds of Singleton tasks.
-    by_manager: dict[int, tuple[LockManager, dict[str, Singleton]]] = {}
+    by_manager: dict[int, tuple[Backend, dict[str, Singleton]]] = {}
     for task in list(app.tasks.values()):
         if isinstance(task, Singleton):
             manager = task._dlock().manager
