@@ -28,8 +28,8 @@ a crashed holder's expiry bounds every wait. Too few reachable nodes (no quorum)
 
 **Release.** Only the acquisition that holds the key can extend or delete it: release and
 renewal match the acquisition's random nonce (:attr:`Holder.nonce`), never the task id alone.
-The two exceptions are named: :meth:`Backend.release_token` (a known acquisition's nonce, by
-someone who knows it ended) and :meth:`Backend.release_by_holder` / :meth:`Backend.force_release`
+The two exceptions are named: :meth:`Backend.release_nonce` (a known acquisition's nonce, by
+someone who knows it ended) and :meth:`Backend.release_by_task` / :meth:`Backend.force_release`
 (operators, one-shot keys). A forced release must stop the holder's next renewal from bringing
 the key back, and moves the fencing counter on.
 
@@ -145,12 +145,12 @@ class Backend(LeaseBackend, Protocol):
         """Stop renewing ``lease`` and never release it: its key lives out its ttl."""
         ...
 
-    def release_token(self, key: str, nonce: str) -> bool:
+    def release_nonce(self, key: str, nonce: str) -> bool:
         """Delete ``key`` if the acquisition with ``nonce`` holds it; True if deleted."""
         ...
 
-    def release_by_holder(self, key: str, holder: str) -> bool:
-        """Delete ``key`` if the task ``holder`` holds it, whichever acquisition."""
+    def release_by_task(self, key: str, task_id: str) -> bool:
+        """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition."""
         ...
 
     # -- operators ---------------------------------------------------------------------------

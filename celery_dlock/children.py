@@ -86,7 +86,7 @@ def _watch(backend: Backend, key: str, holder: Holder, what: str) -> None:
                 return
         time.sleep(POLL)
     try:
-        if backend.release_token(key, holder.nonce):
+        if backend.release_nonce(key, holder.nonce):
             log.info("released %r of %s: its process %d has ended", key, what, holder.pid)
     except Exception:  # never raise in a worker thread; the lease expires after its ttl
         log.exception("could not release %r of %s", key, what)

@@ -16,7 +16,7 @@ The path of one publish, in the order it runs:
    :class:`MergedDuplicate` to call the publish off: a ``BaseException``, because Celery's
    signal dispatch logs and swallows every ``Exception`` a receiver raises.
 4. Back in :func:`publish`, ``MergedDuplicate`` becomes the holder's ``AsyncResult``; any
-   other failure to publish releases the key again, by the acquisition's token.
+   other failure to publish releases the key again, by the acquisition's nonce.
 
 Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
 process that did not import the task) reach step 3 with no early acquisition: the receiver
@@ -47,7 +47,7 @@ from celery_dlock.backend import Backend, PendingLease
 from celery_dlock.beat import mark_send
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
-from celery_dlock.holder import head_token
+from celery_dlock.holder import head_nonce
 from celery_dlock.lease import Lease
 from celery_dlock.signals import lock_contended
 
@@ -107,16 +107,16 @@ def publish(
     wanted = task._wire_key(args, kwargs, options.get("serializer"))
     early = send_queue_lock(task, wanted, task_id, options)
     key: str | None = wanted  # with early: the reply is read in before_task_publish
-    token = early.token if early is not None else None
+    nonce = early.nonce if early is not None else None
     if early is None:
         queued = queue_lock(task, wanted, task_id, options)
         if queued.holder_id is not None:
             return task.AsyncResult(queued.holder_id)
-        key, token = queued.key, queued.token
+        key, nonce = queued.key, queued.nonce
     # The message names its queued lock's acquisition, so that a worker discarding it
     # (revoked, expired) frees that lock and nothing else. Marked even without a queued
     # lock (Redis unreachable): our before_task_publish receiver then leaves it alone.
-    options["headers"] = {**headers, HEADER_QUEUED: token or 1}
+    options["headers"] = {**headers, HEADER_QUEUED: nonce or 1}
     try:
         return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
     except MergedDuplicate as merged:  # settle_early called the publish off
@@ -126,8 +126,8 @@ def publish(
     except BaseException:
         if early is not None:  # the reply may not have been read: the publish failed first
             key = early.finish_quietly()
-        if key is not None and token is not None:  # not published: free the key again
-            task._dlock().manager.release_token(key, token)
+        if key is not None and nonce is not None:  # not published: free the key again
+            task._dlock().manager.release_nonce(key, nonce)
         raise
     finally:
         if early is not None:
@@ -147,9 +147,9 @@ class EarlyLock:
         self.taken = False  # set once the reply said this message holds the key
 
     @property
-    def token(self) -> str:
-        """The acquisition's random token: the message carries it."""
-        return self.pending.token
+    def nonce(self) -> str:
+        """The acquisition's random nonce: the message carries it."""
+        return self.pending.nonce
 
     def finish_quietly(self) -> str | None:
         """Read the reply if that was not done; the key if this message took it."""
@@ -277,7 +277,7 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
     if queued.holder_id is not None:
         headers[HEADER_DUPLICATE_OF] = queued.holder_id
     elif queued.key is not None:
-        headers[HEADER_QUEUED] = queued.token or 1
+        headers[HEADER_QUEUED] = queued.nonce or 1
 
 
 def _parse_eta(eta: Any) -> Any:
@@ -309,7 +309,7 @@ class Queued(NamedTuple):
 
     key: str | None  # the key this message now holds, or None
     holder_id: str | None  # the task holding the key instead (a duplicate of it), or None
-    token: str | None = None  # the queued lock's acquisition token, when ``key`` is set
+    nonce: str | None = None  # the queued lock's acquisition nonce, when ``key`` is set
 
 
 def queue_lock(
@@ -321,7 +321,7 @@ def queue_lock(
 ) -> Queued:
     """Take the queued lock on ``key`` for a message about to be published (enqueue-time mode).
 
-    ``key`` set: this message now holds it, by the acquisition ``token``. ``holder_id`` set:
+    ``key`` set: this message now holds it, by the acquisition ``nonce``. ``holder_id`` set:
     another task holds it (this message is a duplicate of that one). Neither: no lock could be
     taken (Redis unreachable, or a holder that is not a task); publish anyway, the
     execution-time lock still protects the body. With ``early``, the first attempt is that
@@ -333,8 +333,8 @@ def queue_lock(
     if running is not None:  # a retry of the running execution: the key goes with the message
         if getattr(retrying, "keep", None) is running:
             return Queued(None, None)  # ... unless the body goes on (retry(throw=False))
-        token = manager.hand_over(running, ttl)
-        return Queued(key, None, token) if token is not None else Queued(None, None)
+        nonce = manager.hand_over(running, ttl)
+        return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
     attempt = 0
     splits = 0
     revoked_checked = False
@@ -361,13 +361,13 @@ def queue_lock(
                 splits += 1
                 time.sleep(random.uniform(0.0, 0.01 * splits))
                 continue
-            if holder is None or holder.holder is None:
+            if holder is None or holder.task_id is None:
                 return Queued(None, None)
-            if not revoked_checked and holder.queued and _revoked(task, holder.holder):
+            if not revoked_checked and holder.queued and _revoked(task, holder.task_id):
                 # The queued task was revoked before any worker saw it: its lock (that one
                 # acquisition, not whatever holds the key by then) is free to go.
                 revoked_checked = True
-                manager.release_token(key, holder.token)
+                manager.release_nonce(key, holder.nonce)
                 continue
             if len(_held_recently) > 1000:
                 _held_recently.clear()
@@ -381,11 +381,11 @@ def queue_lock(
                 policy="merge",
                 retry_in=None,
             )
-            return Queued(None, holder.holder)
+            return Queued(None, holder.task_id)
         manager.forget(queued)
         if early is not None:
             early.taken = True
-        return Queued(key, None, head_token(queued.head))
+        return Queued(key, None, head_nonce(queued.head))
 
 
 #: Extra looks (at random delays up to 10 ms times the look's number) when Redlock

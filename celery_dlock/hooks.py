@@ -5,7 +5,7 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 
 * ``task_revoked`` (worker parent): a task killed by ``revoke(terminate=True)`` cannot release
   its lease, and a discarded message (revoked, expired) never takes over its queued lock.
-  Releases name one acquisition by its token, never a task id, which a redelivered copy or a
+  Releases name one acquisition by its nonce, never a task id, which a redelivered copy or a
   retry shares with the execution that may still run. A terminated execution's lease is
   released once its pool process has really ended (:mod:`celery_dlock.children`): the signal
   may not end it. A discarded message frees only the queued lock it names in its headers.
@@ -63,8 +63,8 @@ def release_revoked(
         if terminated:
             _release_when_ended(manager, sender._execution_key(key, None), request.id, what)
         queued = getattr(request, HEADER_QUEUED, None)
-        if isinstance(queued, str) and manager.release_token(key, queued):
-            # Messages of older versions carry 1, not a token: their queued lock expires.
+        if isinstance(queued, str) and manager.release_nonce(key, queued):
+            # Messages of older versions carry 1, not a nonce: their queued lock expires.
             log.info("released %r queued by revoked task %s[%s]", key, sender.name, request.id)
     except Exception:  # never break the worker's revoke handling
         log.exception("could not release the lock of revoked task %s", request.id)
@@ -75,7 +75,7 @@ def _release_when_ended(manager: Any, key: str, task_id: str, what: str) -> None
     holder = manager.holder(key)
     if (
         holder is None
-        or holder.holder != task_id
+        or holder.task_id != task_id
         or holder.queued
         or holder.host != socket.gethostname()
     ):

@@ -430,7 +430,7 @@ class SingletonTask(_TaskBase):
     ) -> Any:
         request = self.request
         holder = exc.holder
-        if holder is not None and holder.holder == request.id and not holder.queued:
+        if holder is not None and holder.task_id == request.id and not holder.queued:
             # Held by another execution of this very task id.
             delivery = request.delivery_info or {}
             if delivery.get("redelivered") or getattr(request, HEADER_REDELIVERED, None):
@@ -449,7 +449,7 @@ class SingletonTask(_TaskBase):
         if policy == "drop":
             who = holder.describe() if holder else "another holder"
             return self._drop(
-                key, holder, holder.holder if holder else None, f"{key!r} is held by {who}"
+                key, holder, holder.task_id if holder else None, f"{key!r} is held by {who}"
             )
         raise exc  # "raise", or "wait" that ran out
 

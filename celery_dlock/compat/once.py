@@ -322,7 +322,7 @@ class QueueOnce(PeerTask):
         if request is not None:
             # The queued message's key is freed as the run starts (what unlock_before_run is
             # for), so the next publish is queued; the run itself holds a key of its own.
-            token = getattr(request, HEADER_QUEUED, None)
-            if isinstance(token, str):
-                self._dlock().manager.release_token(key, token)
+            nonce = getattr(request, HEADER_QUEUED, None)
+            if isinstance(nonce, str):
+                self._dlock().manager.release_nonce(key, nonce)
         return f"{key}:running"

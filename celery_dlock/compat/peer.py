@@ -62,7 +62,7 @@ def eager_holder(
         holder = task._dlock().manager.holder(key)
     except LockUnavailable:
         return None
-    return None if holder is None else holder.holder
+    return None if holder is None else holder.task_id
 
 
 class PeerKey:
@@ -133,8 +133,8 @@ def free_leftover(task: SingletonTask, args: Any, kwargs: Any, task_id: str | No
         holder = manager.holder(key)
     except LockUnavailable:
         return  # the key expires by itself (lock_queued_ttl)
-    if holder is not None and holder.holder == task_id and holder.queued:
-        manager.release_token(key, holder.token)
+    if holder is not None and holder.task_id == task_id and holder.queued:
+        manager.release_nonce(key, holder.nonce)
 
 
 def held_by_own_id(
@@ -153,7 +153,7 @@ def held_by_own_id(
         holder = task._dlock().manager.holder(key)
     except LockUnavailable:
         return False
-    return holder is not None and holder.holder == task_id
+    return holder is not None and holder.task_id == task_id
 
 
 def give_back_own(task: SingletonTask, key: str) -> bool:

@@ -276,7 +276,7 @@ class Singleton(PeerTask):
     def get_existing_task_id(self, lock: str) -> str | None:
         """The id of the task holding ``lock`` (queued or running), or None."""
         holder = self._dlock().manager.holder(lock)
-        return None if holder is None else holder.holder
+        return None if holder is None else holder.task_id
 
     def aquire_lock(self, lock: str, task_id: str) -> bool:
         """Take ``lock`` for ``task_id`` as a queued message would; False if it is held.

@@ -585,12 +585,12 @@ class LockManager:
         lease.set_released()
         watchdog.discard(lease)  # watched if someone listens for losses
 
-    def release_by_holder(self, key: str, holder: str) -> bool:
-        """Delete ``key`` if its holder id is ``holder``, whichever acquisition of it holds it.
+    def release_by_task(self, key: str, task_id: str) -> bool:
+        """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition of it holds it.
 
         For operators and one-shot keys (beat's tick keys). A task id can name more than one
         execution (a redelivered copy, a retry), so releases on a task's behalf name the
-        acquisition instead (:meth:`release_token`). True if the key was deleted on a quorum.
+        acquisition instead (:meth:`release_nonce`). True if the key was deleted on a quorum.
         The holder's next renewal then reports the lease lost.
         """
         key = check_key(key)
@@ -599,15 +599,18 @@ class LockManager:
             self.nodes,
             "release_holder",
             (keys[0], keys[2]),
-            (holder, ms(self.settings.ttl)),
+            (task_id, ms(self.settings.ttl)),
             self.settings.node_timeout,
         )
         deleted = sum(1 for r in replies if r == 1)
         if deleted:
-            log_release.info("released key=%s held by %s on %d node(s)", key, holder, deleted)
+            log_release.info("released key=%s held by %s on %d node(s)", key, task_id, deleted)
         return deleted >= self.quorum
 
-    def release_token(self, key: str, nonce: str) -> bool:
+    #: Older name of :meth:`release_by_task`.
+    release_by_holder = release_by_task
+
+    def release_nonce(self, key: str, nonce: str) -> bool:
         """Delete ``key`` if the acquisition named by ``nonce`` holds it.
 
         For whoever knows an acquisition has ended without releasing (the parent worker
@@ -619,7 +622,7 @@ class LockManager:
         keys = self.redis_keys(key)
         replies = run_script(
             self.nodes,
-            "release_token",
+            "release_nonce",
             (keys[0], keys[2]),
             (nonce, ms(self.settings.ttl)),
             self.settings.node_timeout,

@@ -185,7 +185,7 @@ return 0
 #: Every value opens with its token (see :func:`holder.value_head`), so a prefix compares it.
 #: Unlike RELEASE_HOLDER, which any execution of a task id matches, this never frees the lock
 #: of another execution of the same task (a redelivered copy, the retried run).
-RELEASE_TOKEN = """
+RELEASE_NONCE = """
 local cur = redis.call('GET', KEYS[1])
 local prefix = '{"token":"' .. ARGV[1] .. '"'
 if not cur or string.sub(cur, 1, #prefix) ~= prefix then
@@ -295,7 +295,7 @@ ALL = {
     "void": VOID,
     "release_late": RELEASE_LATE,
     "release_holder": RELEASE_HOLDER,
-    "release_token": RELEASE_TOKEN,
+    "release_nonce": RELEASE_NONCE,
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
     "handover": HANDOVER,
