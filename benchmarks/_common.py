@@ -82,3 +82,24 @@ def machine(*dists: str) -> dict[str, Any]:
         "cpu": cpu,
         "celery_dlock": code_version(),
     }
+
+
+class ReleasingFloor:
+    """SET NX PX with a round trip, then a DEL whose reply is read only before the next command:
+    the two commands an execution-time lock cannot do without (take the key; give it back
+    without making the task wait), and nothing else (no ownership check, renewal, fencing)."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = redis.Redis.from_url(url).connection_pool.get_connection()
+        self.unread = False
+
+    def take(self, key: str) -> None:
+        if self.unread:
+            self.conn.read_response()
+        self.conn.send_command("SET", key, "1", "NX", "PX", 30000)
+        self.conn.read_response()
+        self.unread = False
+
+    def give_back(self, key: str) -> None:
+        self.conn.send_command("DEL", key)
+        self.unread = True

@@ -13,7 +13,8 @@ settings apart from the lock URLs of the variant it serves):
 Every task returns its first argument. In the throughput rows that is all a body does, so
 what is measured is the per-task overhead of Celery and of the lock library. ``bench.floor``
 also makes one ``SET NX PX`` round trip to the lock Redis: the least a lock taken in the worker
-costs, with nothing else a lock needs (release, renewal, fencing). Storm bodies
+costs, with nothing else a lock needs (release, renewal, fencing); ``bench.floor_release``
+adds the release, a ``DEL`` whose reply is read before the next command. Storm bodies
 (``count=True``) also count themselves in the journal (``INCR``) and sleep ``secs``.
 """
 
@@ -24,6 +25,7 @@ import time
 from typing import Any
 
 import redis
+from _common import ReleasingFloor
 from celery import Celery, signals
 from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
@@ -97,6 +99,25 @@ def floor(n: int, secs: float = 0.0, count: bool = False) -> int:
         _floor = redis.Redis.from_url(LOCK_URLS[0])
     _floor.set(f"bench:floor:{n}", "1", nx=True, px=30000)
     return _body(n, secs, count)
+
+
+_releasing: tuple[int, ReleasingFloor] | None = None
+
+
+@app.task(name="bench.floor_release")
+def floor_release(n: int, secs: float = 0.0, count: bool = False) -> int:
+    """``floor`` plus the release (a DEL sent without waiting for its reply): the least an
+    execution-time lock that frees its key when the task ends costs."""
+    global _releasing
+    if _releasing is None or _releasing[0] != os.getpid():
+        _releasing = (os.getpid(), ReleasingFloor(LOCK_URLS[0]))
+    lock = _releasing[1]
+    key = f"bench:floor-release:{n}"
+    lock.take(key)
+    try:
+        return _body(n, secs, count)
+    finally:
+        lock.give_back(key)
 
 
 @app.task(name="bench.dlock", base=SingletonTask, on_duplicate="drop")

@@ -13,6 +13,8 @@ Rows (each task returns its argument and does nothing else):
 * ``plain``             a plain ``Task``
 * ``floor``             a plain ``Task`` whose body also makes one ``SET NX PX`` round trip to the
                         lock Redis: the least any lock taken in the worker costs
+* ``floor-release``     ``floor`` plus a ``DEL`` of the key at the end, its reply read before the
+                        next command: the least an execution-time lock that frees its key costs
 * ``dlock``             ``SingletonTask``, lock taken in the worker (``lock_on="execute"``)
 * ``dlock-redlock5``    the same with ``dlock_urls`` = five masters
 * ``dlock-enqueue``     ``SingletonTask(lock_on="enqueue")``, single Redis
@@ -96,6 +98,7 @@ EXECUTED_KEY = "bench:executed"
 ROWS: tuple[tuple[str, str, str], ...] = (
     ("plain", "bench.plain", "single"),
     ("floor", "bench.floor", "single"),
+    ("floor-release", "bench.floor_release", "single"),
     ("dlock", "bench.dlock", "single"),
     ("dlock-redlock5", "bench.dlock", "redlock"),
     ("dlock-enqueue", "bench.dlock_enqueue", "single"),
@@ -114,6 +117,10 @@ RATIOS: tuple[tuple[str, str, str, float | None, str], ...] = (
     ("floor", "worker_cpu_us", "plain", None, ""),
     # What the lock costs beyond the one round trip no execution-time lock can avoid.
     ("dlock", "tasks_per_s", "floor", None, ""),
+    ("floor-release", "tasks_per_s", "plain", None, ""),
+    ("floor-release", "worker_cpu_us", "plain", None, ""),
+    # ... and beyond the two commands (take, give back) an execution-time lock needs.
+    ("dlock", "tasks_per_s", "floor-release", None, ""),
     ("dlock-redlock5", "tasks_per_s", "plain", None, ""),
     ("dlock-redlock5", "enqueue_us", "plain", None, ""),
     ("dlock-redlock5", "worker_cpu_us", "plain", None, ""),

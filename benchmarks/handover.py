@@ -51,7 +51,7 @@ import redis_lock
 from _common import machine, pin
 
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import redis_servers
 

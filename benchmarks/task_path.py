@@ -8,6 +8,9 @@ without a worker: Celery's tracer, as a prefork child calls it (``fast_trace_tas
 * ``plain``  a plain task
 * ``floor``  a plain task whose body makes one ``SET key 1 NX PX 30000`` round trip (redis-py)
   to the lock Redis: the least any lock taken in the worker costs
+* ``floor_release``  ``floor`` plus a ``DEL`` of the key after the body, its reply read before
+  the next command (as ``SingletonTask`` sends its release): the two commands an
+  execution-time lock that frees its key cannot do without
 * ``dlock``  ``SingletonTask`` (execution-time lock, single Redis, distinct keys)
 
 Per task: user and system CPU of this process (``os.times``) and wall time. Rows are
@@ -34,14 +37,14 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from _common import machine, pin
+from _common import ReleasingFloor, machine, pin
 from celery import Celery
 from celery.app.trace import build_tracer, fast_trace_task, setup_worker_optimizations
 
 from celery_dlock import SingletonTask
 from celery_dlock.testing import redis_servers
 
-ROWS = ("plain", "floor", "dlock")
+ROWS = ("plain", "floor", "floor_release", "dlock")
 
 
 def make_app(lock_url: str, backend_url: str) -> tuple[Celery, dict[str, Any]]:
@@ -58,11 +61,22 @@ def make_app(lock_url: str, backend_url: str) -> tuple[Celery, dict[str, Any]]:
         floor_client.set(f"path:floor:{n}", "1", nx=True, px=30000)
         return n
 
+    releasing = ReleasingFloor(lock_url)
+
+    @app.task(name="path.floor_release")
+    def floor_release(n: int) -> int:
+        key = f"path:floor-release:{n}"
+        releasing.take(key)
+        try:
+            return n
+        finally:
+            releasing.give_back(key)
+
     @app.task(name="path.dlock", base=SingletonTask)
     def dlock(n: int) -> int:
         return n
 
-    return app, {"plain": plain, "floor": floor, "dlock": dlock}
+    return app, {"plain": plain, "floor": floor, "floor_release": floor_release, "dlock": dlock}
 
 
 def runner(app: Celery, task: Any) -> Callable[[int, int], None]:
@@ -142,15 +156,22 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"celery_dlock: {m['celery_dlock']}")
     print(f"CPU placement: {s['pin']}")
     print(f"{s['tasks']} tasks per row and round, {s['rounds']} rounds; medians over rounds\n")
-    print(f"{'row':<6} {'user us':>8} {'sys us':>7} {'CPU us':>7} {'wall us':>8}  CPU - plain")
+    print(f"{'row':<13} {'user us':>8} {'sys us':>7} {'CPU us':>7} {'wall us':>8}  CPU - plain")
     for row, f in figs.items():
         extra = f["cpu_us"] - figs["plain"]["cpu_us"]
         print(
-            f"{row:<6} {f['user_us']:>8.1f} {f['sys_us']:>7.1f} {f['cpu_us']:>7.1f} "
+            f"{row:<13} {f['user_us']:>8.1f} {f['sys_us']:>7.1f} {f['cpu_us']:>7.1f} "
             f"{f['wall_us']:>8.1f}  {extra:>+8.1f}"
         )
     print("\nratios (of medians)")
-    for row, base in (("floor", "plain"), ("dlock", "plain"), ("dlock", "floor")):
+    pairs = (
+        ("floor", "plain"),
+        ("floor_release", "plain"),
+        ("dlock", "plain"),
+        ("dlock", "floor"),
+        ("dlock", "floor_release"),
+    )
+    for row, base in pairs:
         for fig in ("cpu_us", "wall_us"):
             print(f"  {row}/{base} {fig:<8} {figs[row][fig] / figs[base][fig]:.3f}")
 

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from celery_dlock import admin
 from celery_dlock import beat as _beat  # noqa: F401  (connects the beat_init receiver)
-from celery_dlock import worker as _worker  # noqa: F401  (connects the Celery signal receivers)
+from celery_dlock import hooks as _hooks  # noqa: F401  (connects the Celery signal receivers)
 from celery_dlock.config import DLockConfigWarning
 from celery_dlock.errors import (
     ConfigError,
@@ -19,9 +19,8 @@ from celery_dlock.errors import (
     LockUnavailable,
 )
 from celery_dlock.guard import LockGuard, lock
-from celery_dlock.holder import Holder
+from celery_dlock.holder import Holder, LockInfo
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockInfo
 from celery_dlock.signals import lock_acquired, lock_contended, lock_lost, lock_released
 from celery_dlock.task import SingletonTask
 

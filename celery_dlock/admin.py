@@ -15,23 +15,26 @@ Redis URLs::
 A forced release does not merely delete the key: it marks that acquisition revoked, so the
 holder's next renewal reports the lease lost (a task with ``on_lock_lost="raise"`` is
 stopped), and moves the fencing counter on, so the holder's token is stale at once.
+
+Everything here goes through :class:`celery_dlock.backend.Backend`: how a store lists, reads
+and force-releases its keys is the backend's business (Redis: :mod:`celery_dlock.redis.inspection`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from celery.local import maybe_evaluate
 
 from celery_dlock.config import beat_settings, check_key, quorum
-from celery_dlock.diagnose import describe
-from celery_dlock.endpoints import redact
 from celery_dlock.errors import ConfigError
-from celery_dlock.redlock import LockInfo, LockManager
-from celery_dlock.registry import manager_for
-from celery_dlock.transport import run_script
+from celery_dlock.holder import Holder, LockInfo
+from celery_dlock.registry import backend_for
+
+if TYPE_CHECKING:
+    from celery_dlock.backend import Backend
 
 __all__ = ["CheckReport", "LockInfo", "check", "locks", "node_errors", "purge", "release", "show"]
 
@@ -43,26 +46,29 @@ def locks(app_or_urls: Any, prefix: str = "") -> list[LockInfo]:
     """
     if not isinstance(prefix, str):
         raise ConfigError(f"prefix must be a str, not {type(prefix).__name__} ({prefix!r}).")
-    manager = manager_for(app_or_urls)
-    return [info for info in manager.locks(prefix) if info.holder is not None]
+    return [info for info in backend_for(app_or_urls).locks(prefix) if info.holder is not None]
 
 
 def show(app_or_urls: Any, key: str) -> LockInfo:
     """One lock: its holder (None when free), time left and fencing counter."""
-    return manager_for(app_or_urls).inspect(check_key(key))
+    return backend_for(app_or_urls).inspect(check_key(key))
 
 
-def release(app_or_urls: Any, key: str, *, task_id: str | None = None) -> bool:
+def release(
+    app_or_urls: Any, key: str, *, task_id: str | None = None, holder: Holder | None = None
+) -> bool:
     """Force-release ``key``; True if it was held and a majority of nodes released it.
 
     With ``task_id``, only while that task holds it (celery-singleton's ``release_lock``
-    for one task); False when someone else holds it, or nobody.
+    for one task); False when someone else holds it, or nobody. With ``holder`` (as
+    :func:`show` returned it), only that acquisition: one taken since is left alone.
     """
-    manager = manager_for(app_or_urls)
-    info = manager.inspect(check_key(key))
-    if info.holder is None or (task_id is not None and info.holder.holder != task_id):
+    backend = backend_for(app_or_urls)
+    if holder is None:
+        holder = backend.inspect(check_key(key)).holder
+    if holder is None or (task_id is not None and holder.task_id != task_id):
         return False
-    return manager.force_release(key, info.holder)
+    return backend.force_release(key, holder)
 
 
 def purge(app_or_urls: Any, prefix: str) -> list[str]:
@@ -72,24 +78,13 @@ def purge(app_or_urls: Any, prefix: str) -> list[str]:
             f"purge needs a non-empty prefix (every key starts with ''), got {prefix!r}; "
             "to release everything, name each key prefix your tasks use."
         )
-    manager = manager_for(app_or_urls)
-    return [
-        info.key
-        for info in locks(manager, prefix)
-        if info.holder is not None and manager.force_release(info.key, info.holder)
-    ]
+    return backend_for(app_or_urls).purge(prefix)
 
 
-def node_errors(manager: LockManager) -> list[tuple[str, str]]:
+def node_errors(backend: Backend) -> list[tuple[str, str]]:
     """``(url, error)`` for each lock node that cannot run a lock script right now, password
     hidden; empty when every node answered."""
-    probe = manager.redis_keys("celery-dlock-check")
-    replies = run_script(manager.nodes, "inspect", probe[:2], (), manager.settings.node_timeout)
-    return [
-        (redact(node.url), describe(reply, node))
-        for node, reply in zip(manager.nodes, replies, strict=True)
-        if isinstance(reply, BaseException)
-    ]
+    return [(url, error) for url, error in backend.check() if error is not None]
 
 
 @dataclass
@@ -123,12 +118,10 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
     every node. Never raises for what it finds: each problem is one line of the report, every
     wrong task among them.
     """
-    from celery_dlock.task import SingletonTask
-
     if not isinstance(app, Celery):  # (hasattr(app, "tasks") would finalize it)
         raise ConfigError(
             f"check needs a Celery app, not {type(app).__name__} ({app!r}); for a list of "
-            "URLs, node_errors(manager_for(urls)) says which nodes answer."
+            "URLs, node_errors(backend_for(urls)) says which nodes answer."
         )
     report = CheckReport()
     report.problems += _create_tasks(app)
@@ -138,18 +131,24 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
         if str(exc) not in report.problems:
             report.problems.append(str(exc))
         tasks = dict(getattr(app, "_tasks", {}))  # those that could be created
-    singletons = sorted(n for n, t in tasks.items() if isinstance(t, SingletonTask))
+    # A SingletonTask (or a compat class) resolves its lock settings in _dlock(); looked up by
+    # that name, so that the operator functions do not depend on the Celery task layer.
+    singletons = sorted(n for n, t in tasks.items() if callable(getattr(type(t), "_dlock", None)))
     report.tasks = singletons
     try:
         beat_settings(app)
-        manager = manager_for(app)
+        backend = backend_for(app)
         for name in singletons:
-            cast(SingletonTask, tasks[name])._dlock()  # resolved, as its first run does
+            task: Any = tasks[name]
+            task._dlock()  # resolved, as its first run does
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
-    failed = dict(node_errors(manager)) if reach else {}
-    report.nodes = [(redact(node.url), failed.get(redact(node.url))) for node in manager.nodes]
+    if reach:
+        report.nodes = backend.check()
+    else:
+        report.nodes = [(url, None) for url in backend.endpoints()]
+    failed = {url: error for url, error in report.nodes if error is not None}
     report.problems += [
         f"cannot reach lock node {url} ({error.rstrip('.')})" for url, error in failed.items()
     ]

@@ -47,9 +47,9 @@ from celery.signals import beat_init
 
 from celery_dlock.config import beat_settings
 from celery_dlock.errors import LockContended, LockUnavailable
+from celery_dlock.headers import HEADER_BEAT, HEADER_DUPLICATE_OF, HEADER_TICK
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
-from celery_dlock.task import HEADER_BEAT, HEADER_DUPLICATE_OF, HEADER_TICK
 
 log = logging.getLogger("celery_dlock.beat")
 
@@ -220,7 +220,7 @@ def _wrap_apply_async(scheduler: Any) -> None:
             # sends of it would be dropped as duplicates of a message that never went out.
             for manager, key, holder in _current.claims:
                 with contextlib.suppress(Exception):
-                    manager.release_by_holder(key, holder)
+                    manager.release_by_task(key, holder)
             raise
         finally:
             _current.tick = None
@@ -278,7 +278,7 @@ def claim_tick(tick: Tick, task: Any, task_id: str) -> str | None:
         # use beyond the key's own life.
         claimed = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, fence_retention=ttl)
     except LockContended as exc:
-        first = exc.holder.holder if exc.holder else None
+        first = exc.holder.task_id if exc.holder else None
         if first is None:
             log.warning("beat: no majority for the tick of %s; sending it unmarked", entry.name)
             return None
@@ -347,7 +347,7 @@ class LeaderScheduler(PersistentScheduler):
         """Say once per leader that this beat follows, and whom: until it leads it sends
         nothing, which would otherwise look like a beat that does not work."""
         holder = refused.holder
-        leader = (holder.holder or f"pid {holder.pid} on {holder.host}") if holder else None
+        leader = (holder.task_id or f"pid {holder.pid} on {holder.host}") if holder else None
         if leader is None or leader == self._following:
             return
         self._following = leader

@@ -21,8 +21,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from celery_dlock.backend import Backend
     from celery_dlock.holder import Holder
-    from celery_dlock.redlock import LockManager
 
 log = logging.getLogger("celery_dlock.release")
 
@@ -56,7 +56,7 @@ def state(pid: int) -> State:
     return State.RUNNING if found is None else State.EXITED
 
 
-def release_when_ended(manager: LockManager, key: str, holder: Holder, what: str) -> bool:
+def release_when_ended(backend: Backend, key: str, holder: Holder, what: str) -> bool:
     """Free ``key`` from the acquisition ``holder`` once its process (a child of this one)
     has ended; in a thread, so the worker's event loop goes on. False (nothing started) when
     ``holder.pid`` is not a child of this process, which then has nothing to say about it."""
@@ -64,7 +64,7 @@ def release_when_ended(manager: LockManager, key: str, holder: Holder, what: str
         return False
     thread = threading.Thread(
         target=_watch,
-        args=(manager, key, holder, what),
+        args=(backend, key, holder, what),
         name=f"dlock-ended-{holder.pid}",
         daemon=True,
     )
@@ -72,21 +72,21 @@ def release_when_ended(manager: LockManager, key: str, holder: Holder, what: str
     return True
 
 
-def _watch(manager: LockManager, key: str, holder: Holder, what: str) -> None:
+def _watch(backend: Backend, key: str, holder: Holder, what: str) -> None:
     recheck = time.monotonic() + RECHECK
     while state(holder.pid) is State.RUNNING:
         if time.monotonic() >= recheck:
             recheck = time.monotonic() + RECHECK
             try:
-                current = manager.holder(key)
-            except Exception:  # Redis unreachable: cannot tell, keep watching
+                current = backend.holder(key)
+            except Exception:  # the store is unreachable: cannot tell, keep watching
                 continue
-            if current is None or current.token != holder.token:
+            if current is None or current.nonce != holder.nonce:
                 log.info("%s: its process %d released %r itself", what, holder.pid, key)
                 return
         time.sleep(POLL)
     try:
-        if manager.release_token(key, holder.token):
+        if backend.release_nonce(key, holder.nonce):
             log.info("released %r of %s: its process %d has ended", key, what, holder.pid)
     except Exception:  # never raise in a worker thread; the lease expires after its ttl
         log.exception("could not release %r of %s", key, what)

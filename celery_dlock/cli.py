@@ -24,16 +24,17 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
 from celery_dlock import admin
-from celery_dlock.endpoints import redact
 from celery_dlock.errors import ConfigError, LockUnavailable
-from celery_dlock.redlock import LockManager
-from celery_dlock.registry import manager_for
+from celery_dlock.registry import backend_for
+
+if TYPE_CHECKING:
+    from celery_dlock.backend import Backend
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,8 +69,8 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
         ctx.obj.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
 
 
-def _where(manager: LockManager) -> str:
-    urls = [redact(node.url) for node in manager.nodes]
+def _where(backend: Backend) -> str:
+    urls = backend.endpoints()
     return urls[0] if len(urls) == 1 else f"Redlock over {len(urls)} nodes: {', '.join(urls)}"
 
 
@@ -93,7 +94,7 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
         for row in rows:
             ctx.obj.echo(json.dumps(row))
         return
-    ctx.obj.echo(f"locks on {_where(manager_for(_app(ctx)))}:")
+    ctx.obj.echo(f"locks on {_where(backend_for(_app(ctx)))}:")
     _print_table(ctx, rows)
 
 
@@ -142,7 +143,7 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
         return
     _confirm(ctx, f"Release {key!r}, held by {info.holder.describe()}?", yes)
     # Only the acquisition that was shown: one taken since then is not released unasked.
-    released = manager_for(_app(ctx)).force_release(key, info.holder)
+    released = admin.release(_app(ctx), key, holder=info.holder)
     if as_json:
         ctx.obj.echo(json.dumps({"key": key, "released": released, "held": True}))
     elif released:
@@ -171,12 +172,8 @@ def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
             ctx.obj.echo(f"no locks held under {prefix!r}")
         return
     _confirm(ctx, f"Release {len(held)} lock(s) under {prefix!r}?", yes)
-    manager = manager_for(_app(ctx))
-    released = [
-        info.key
-        for info in held
-        if info.holder is not None and manager.force_release(info.key, info.holder)
-    ]
+    # Only the acquisitions that were listed: one taken since then is not released unasked.
+    released = [info.key for info in held if admin.release(_app(ctx), info.key, holder=info.holder)]
     if as_json:
         ctx.obj.echo(json.dumps({"prefix": prefix, "released": released}))
     else:

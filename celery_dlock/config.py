@@ -17,15 +17,14 @@ setting                           default      meaning
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from celery_dlock import endpoints
-from celery_dlock.endpoints import redact
 from celery_dlock.errors import ConfigError
 
 DEFAULT_TTL = 30.0
@@ -37,10 +36,37 @@ DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
 MAX_KEY_LENGTH = 1024
 #: Least validity a lease may start with after the drift allowance.
 MIN_VALIDITY = 0.01
+#: Query options whose values are secrets (shown as ``***``); "pas": misspelt passwords too.
+_SECRET_MARKERS = ("pas", "pwd", "secret", "token")
 
 
 class DLockConfigWarning(UserWarning):
     """A setting works but is probably not what was meant (e.g. an even number of nodes)."""
+
+
+def redact(url: str) -> str:
+    """The URL with every password (user info, ``*password*`` query options) as ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, hosts = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(_secret(name) for name, _ in pairs):
+            query = urlencode([(n, "***" if _secret(n) else v) for n, v in pairs], safe="*/")
+    if netloc == parts.netloc and query == parts.query:
+        return url
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def _secret(option: str) -> bool:
+    return any(marker in option.lower() for marker in _SECRET_MARKERS)
 
 
 def quorum(n: int) -> int:
@@ -48,8 +74,40 @@ def quorum(n: int) -> int:
     return n // 2 + 1
 
 
+#: URL scheme (the part before any ``+``) → the module of the lock store that serves it. Imported
+#: by name when first needed, as Celery picks a result backend and kombu a transport, so that
+#: the settings, the lease core and the Celery layer import no backend. A backend module offers
+#: ``check_urls(urls, setting)`` (the URLs, checked) and ``make_backend(settings)`` (a
+#: :class:`celery_dlock.backend.Backend`). A scheme not listed goes to the Redis backend, whose
+#: check names every scheme there is.
+BACKENDS: dict[str, str] = {
+    "redis": "celery_dlock.redis",
+    "rediss": "celery_dlock.redis",
+    "unix": "celery_dlock.redis",
+}
+DEFAULT_BACKEND = "celery_dlock.redis"
+
+
+def backend_module(urls: Sequence[Any], setting: str = "dlock_urls") -> Any:
+    """The backend module that serves ``urls`` (all of them: one list, one kind of store)."""
+    names = {BACKENDS.get(_scheme(url), DEFAULT_BACKEND) for url in urls}
+    if len(names) > 1:
+        shown = ", ".join(repr(redact(url)) for url in urls if isinstance(url, str))
+        raise ConfigError(
+            f"{setting} mixes kinds of lock store ({shown}): every URL of one list must name "
+            "the same kind; keep the URLs of one of them."
+        )
+    return importlib.import_module(names.pop() if names else DEFAULT_BACKEND)
+
+
+def _scheme(url: Any) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        return ""
+    return url.split("://", 1)[0].split("+", 1)[0].lower()
+
+
 def check_urls(urls: Any, setting: str = "dlock_urls") -> tuple[str, ...]:
-    """Validate a URL list: non-empty, well-formed, one URL per server, never exactly two."""
+    """Validate a URL list: a non-empty list, then what the backend its scheme names checks."""
     if isinstance(urls, str):
         urls = [urls]
     if not isinstance(urls, Sequence) or isinstance(urls, bytes):
@@ -61,38 +119,8 @@ def check_urls(urls: Any, setting: str = "dlock_urls") -> tuple[str, ...]:
             f"{setting} is empty: give one Redis URL for a single instance, or three or more "
             "independent masters for Redlock."
         )
-    seen: dict[tuple[str, ...], str] = {}
-    for url in urls:
-        endpoint = endpoints.parse(url, setting)
-        if endpoint.kind == "cluster" and len(urls) > 1:
-            raise ConfigError(
-                f"{setting}: {endpoint.shown!r} is a Redis Cluster, which is one lock node; give "
-                f"it as the only {setting} entry (the cluster spreads keys over its masters), "
-                "or list independent masters (redis://...) for Redlock."
-            )
-        ident = endpoint.identity()
-        if ident in seen:
-            raise ConfigError(
-                f"{setting}: {redact(url)!r} and {redact(seen[ident])!r} name the same Redis "
-                "server; Redlock needs independent masters (different databases of one server "
-                "fail together)."
-            )
-        seen[ident] = url
-    n = len(urls)
-    if n == 2:
-        raise ConfigError(
-            f"{setting} has two URLs: a Redlock quorum is 2 of 2, so losing either node stops "
-            "every lock; it survives no failure. Use one URL (single Redis) or three or more."
-        )
-    if n > 2 and n % 2 == 0:
-        warnings.warn(
-            f"{setting} has {n} nodes: the quorum is {quorum(n)}, which tolerates "
-            f"{n - quorum(n)} failed node(s), no more than {n - 1} nodes would. An odd count "
-            "gives the same safety for fewer servers.",
-            DLockConfigWarning,
-            stacklevel=3,
-        )
-    return tuple(urls)
+    checked: tuple[str, ...] = backend_module(urls, setting).check_urls(tuple(urls), setting)
+    return checked
 
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:

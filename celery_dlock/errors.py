@@ -76,8 +76,9 @@ def _plain(value: Any) -> Any:
 class LockContended(DLockError):
     """The key is held by someone else and the wait (if any) ran out.
 
-    ``holder`` describes the current holder as read from Redis (task id, host, pid, fencing
-    token), or is ``None`` when it released between our attempt and the read.
+    ``holder`` describes the current holder as read from the lock store (its task id
+    ``holder.task_id``, host, pid, fencing token), or is ``None`` when it released between our
+    attempt and the read.
     """
 
     _carried = ("key", "holder", "retry_after")
@@ -103,6 +104,8 @@ class LockContended(DLockError):
             from celery_dlock.holder import Holder
 
             try:
+                # Keyed as Holder.as_dict writes it (the older names token/holder, which every
+                # version reads back).
                 self.holder = Holder(**fields)
             except TypeError:  # written by another version: keep what can be read
                 self.holder = None

@@ -6,7 +6,7 @@
         lease.ensure()              # right before touching the protected resource
         write(row, fence=lease.token)
 
-The lock manager for an app or URL list is made once and shared (see :mod:`registry`), so
+The backend for an app or URL list is made once and shared (see :mod:`registry`), so
 calling ``lock()`` often costs no new connections.
 """
 
@@ -16,14 +16,16 @@ import functools
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from celery_dlock.config import check_key, check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended
 from celery_dlock.lease import Lease, LostCallback
-from celery_dlock.redlock import LockManager
-from celery_dlock.registry import manager_for
+from celery_dlock.registry import backend_for
 from celery_dlock.signals import lock_contended
+
+if TYPE_CHECKING:
+    from celery_dlock.backend import Backend
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -34,13 +36,13 @@ class LockGuard:
 
     def __init__(
         self,
-        manager: LockManager,
+        backend: Backend,
         key: str,
         ttl: float,
         wait: float | None,
         options: dict[str, Any],
     ) -> None:
-        self._manager = manager
+        self._backend = backend
         self._key = key
         self._ttl = ttl
         self._wait = wait
@@ -50,7 +52,7 @@ class LockGuard:
     def acquire(self) -> Lease:
         """Take the lease now (the arguments were checked when the lock was defined)."""
         try:
-            return self._manager.acquire_checked(self._key, self._ttl, self._wait, **self._options)
+            return self._backend.acquire_checked(self._key, self._ttl, self._wait, **self._options)
         except LockContended as exc:
             lock_contended.send(
                 sender=None,
@@ -87,7 +89,7 @@ class LockGuard:
         return locked
 
     def __repr__(self) -> str:
-        return f"<lock {self._key!r} ttl={self._ttl} wait={self._wait} on {self._manager!r}>"
+        return f"<lock {self._key!r} ttl={self._ttl} wait={self._wait} on {self._backend!r}>"
 
 
 def lock(
@@ -115,10 +117,10 @@ def lock(
 
     Arguments are checked here, so a bad one fails where the lock is defined.
     """
-    manager = manager_for(app_or_urls)
+    backend = backend_for(app_or_urls)
     check_key(key)
-    factor = manager.settings.drift_factor
-    ttl = manager.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
+    factor = backend.settings.drift_factor
+    ttl = backend.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
     interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
     if wait is not None:
         wait = check_seconds("wait", wait, allow_zero=True)
@@ -127,4 +129,4 @@ def lock(
     if holder is not None and not isinstance(holder, str):
         raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
     options = {"holder": holder, "interval": interval, "max_hold": max_hold, "on_lost": on_lost}
-    return LockGuard(manager, key, ttl, wait, options)
+    return LockGuard(backend, key, ttl, wait, options)

@@ -1,22 +1,27 @@
-"""What a lock's value says about its holder, and how it is written.
+"""What a lock's value says about its holder, and how it is written; who holds a key.
 
 The value stored under a lock key is one line of JSON, readable with ``redis-cli GET``::
 
     {"token":"Yk3…","holder":"5f0c…-task-id","host":"worker-1","pid":4242,"since":1763773730123,"fence":1763773730124}
 
-* ``token`` — 20 random bytes (``secrets``), unique to this acquisition. Release and renewal
-  compare the whole value, so only this acquisition can extend or delete it.
-* ``holder`` — who holds it for release-by-holder: the Celery task id, or ``null``.
+* ``token`` — the acquisition's nonce (:attr:`Holder.nonce`): 20 random bytes (``secrets``),
+  unique to this acquisition. Release and renewal compare the whole value, so only this
+  acquisition can extend or delete it. (The JSON names stay as they are: values written by
+  every version must stay readable.)
+* ``holder`` — who holds it for release-by-holder (:attr:`Holder.task_id`): the Celery task
+  id, or ``null``.
 * ``queued`` — present (``true``) while an enqueued message holds the key (enqueue-time mode).
 * ``task`` — present when a task holds it: the task's name, for the operator command.
 * ``host``, ``pid``, ``since`` (wall-clock milliseconds, for display only), and ``fence`` —
   the fencing token, which the acquire script appends (the client sends everything before it).
+
+:class:`LockInfo` is a key as the operator sees it: its holder, time left and fencing counter.
+Both are backend-neutral: a backend other than Redis fills them from its own records.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import functools
 import json
 import secrets
@@ -24,19 +29,27 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from celery_dlock import forks
 
-TOKEN_BYTES = 20
+NONCE_BYTES = 20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Holder:
-    """The parsed value of a held lock, for errors, logs and the operator command."""
+    """The parsed value of a held lock, for errors, logs and the operator command.
 
-    token: str
-    holder: str | None
+    Built as ``Holder(nonce, task_id, host, pid, since, fence)``; the older keywords
+    ``token=`` and ``holder=`` are still accepted, since errors written by earlier versions
+    (and callers' code) name them so.
+    """
+
+    #: The random id of this acquisition (the value's ``"token"``): release and renewal match
+    #: it, so only this acquisition can extend or delete the key.
+    nonce: str
+    #: The id of the task holding the key (the value's ``"holder"``), or None outside a task.
+    task_id: str | None
     host: str
     pid: int
     since: float  # wall-clock seconds; display only, never used for validity
@@ -44,15 +57,92 @@ class Holder:
     queued: bool = False  # held by an enqueued message, not yet by a running execution
     task: str | None = None  # the task's name, when a task holds it
 
+    @overload
+    def __init__(
+        self,
+        nonce: str,
+        task_id: str | None,
+        host: str,
+        pid: int,
+        since: float,
+        fence: int,
+        queued: bool = False,
+        task: str | None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        *,
+        token: str,
+        holder: str | None,
+        host: str,
+        pid: int,
+        since: float,
+        fence: int,
+        queued: bool = False,
+        task: str | None = None,
+    ) -> None: ...
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for old, new in _OLD_NAMES:
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"Holder() got both {new!r} and its older name {old!r}")
+                kwargs[new] = kwargs.pop(old)
+        for name, value in zip(_FIELDS, _fields(*args, **kwargs), strict=True):
+            object.__setattr__(self, name, value)
+
+    @property
+    def token(self) -> str:
+        """Older name of :attr:`nonce` (not the fencing token: that is :attr:`fence`)."""
+        return self.nonce
+
+    @property
+    def holder(self) -> str | None:
+        """Older name of :attr:`task_id`."""
+        return self.task_id
+
     def as_dict(self) -> dict[str, Any]:
-        """The fields as plain values (how an error carries its holder through a result backend)."""
-        return dataclasses.asdict(self)
+        """The fields as plain values (how an error carries its holder through a result backend).
+
+        Keyed by the older names (``token``, ``holder``): a process of an earlier version may
+        read them back.
+        """
+        return {
+            "token": self.nonce,
+            "holder": self.task_id,
+            "host": self.host,
+            "pid": self.pid,
+            "since": self.since,
+            "fence": self.fence,
+            "queued": self.queued,
+            "task": self.task,
+        }
 
     def describe(self) -> str:
-        who = f"task {self.holder}" if self.holder else "a process"
+        who = f"task {self.task_id}" if self.task_id else "a process"
         if self.queued:
             return f"{who}, queued by {self.host} (pid {self.pid}, fencing token {self.fence})"
         return f"{who} on {self.host} (pid {self.pid}, fencing token {self.fence})"
+
+
+_OLD_NAMES = (("token", "nonce"), ("holder", "task_id"))
+_FIELDS = ("nonce", "task_id", "host", "pid", "since", "fence", "queued", "task")
+
+
+def _fields(
+    nonce: str,
+    task_id: str | None,
+    host: str,
+    pid: int,
+    since: float,
+    fence: int,
+    queued: bool = False,
+    task: str | None = None,
+) -> tuple[Any, ...]:
+    """Holder's arguments in field order; Python's own TypeError for a missing or unknown one."""
+    return nonce, task_id, host, pid, since, fence, queued, task
 
 
 def parse_value(raw: bytes | str | None) -> Holder | None:
@@ -62,8 +152,8 @@ def parse_value(raw: bytes | str | None) -> Holder | None:
     try:
         data = json.loads(raw)
         return Holder(
-            token=str(data["token"]),
-            holder=None if data.get("holder") is None else str(data["holder"]),
+            nonce=str(data["token"]),
+            task_id=None if data.get("holder") is None else str(data["holder"]),
             host=str(data.get("host", "?")),
             pid=int(data.get("pid", 0)),
             since=float(data.get("since", 0)) / 1000.0,
@@ -93,13 +183,13 @@ class _ProcessPart:
 _process_part = _ProcessPart()
 
 
-class _Tokens:
-    """Random tokens from ``secrets``, drawn 64 at a time.
+class _Nonces:
+    """Random acquisition nonces from ``secrets``, drawn 64 at a time.
 
     Each ``os.urandom`` call is a system call (about 12 µs on a small VM, a tenth of a lock
-    cycle); one draw of 64 tokens' worth costs about the same. Every token is still 20 fresh
+    cycle); one draw of 64 nonces' worth costs about the same. Every nonce is still 20 fresh
     random bytes, used once; the stock is dropped after fork, so a child never repeats its
-    parent's tokens.
+    parent's nonces.
     """
 
     BATCH = 64
@@ -112,31 +202,32 @@ class _Tokens:
     def next(self) -> str:
         with self._lock:
             if self._pid != forks.pid() or not self._stock:
-                raw = secrets.token_bytes(TOKEN_BYTES * self.BATCH)
+                raw = secrets.token_bytes(NONCE_BYTES * self.BATCH)
                 self._stock = [
-                    base64.urlsafe_b64encode(raw[i : i + TOKEN_BYTES]).rstrip(b"=").decode()
-                    for i in range(0, len(raw), TOKEN_BYTES)
+                    base64.urlsafe_b64encode(raw[i : i + NONCE_BYTES]).rstrip(b"=").decode()
+                    for i in range(0, len(raw), NONCE_BYTES)
                 ]
                 self._pid = forks.pid()
             return self._stock.pop()
 
 
-_tokens = _Tokens()
+_nonces = _Nonces()
 
 
-def value_head(holder: str | None, *, queued: bool = False, task: str | None = None) -> str:
-    """Everything of a new value up to the fencing token, with a fresh random token.
+def value_head(task_id: str | None, *, queued: bool = False, task: str | None = None) -> str:
+    """Everything of a new value up to the fencing token, with a fresh random nonce.
 
-    The acquire script appends ``<fence>}``; the full value is ``head + str(fence) + "}"``.
-    ``queued`` marks the lock an enqueued message holds until its execution takes it over.
+    ``task_id`` is the holder id to write (or None). The acquire script appends ``<fence>}``; the
+    full value is ``head + str(fence) + "}"``. ``queued`` marks the lock an enqueued message
+    holds until its execution takes it over.
     """
-    token = _tokens.next()
-    who = "null" if holder is None else json.dumps(holder)
+    nonce = _nonces.next()
+    who = "null" if task_id is None else json.dumps(task_id)
     since = int(time.time() * 1000)
     mark = ',"queued":true' if queued else ""
     if task is not None:
         mark += _task_part(task)
-    return f'{{"token":"{token}","holder":{who}{mark}{_process_part.get()},"since":{since},"fence":'
+    return f'{{"token":"{nonce}","holder":{who}{mark}{_process_part.get()},"since":{since},"fence":'
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,7 +236,47 @@ def _task_part(task: str) -> str:
     return f',"task":{json.dumps(task)}'
 
 
-def head_token(head: str) -> str:
-    """The random token inside a value head (it always opens the value)."""
+def head_nonce(head: str) -> str:
+    """The acquisition's random nonce inside a value head (it always opens the value)."""
     start = len('{"token":"')
     return head[start : head.index('"', start)]
+
+
+#: Older name of :func:`head_nonce`.
+head_token = head_nonce
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One key as a majority of nodes sees it (``celery_dlock.admin``, the operator command)."""
+
+    key: str
+    holder: Holder | None  # None when nobody holds the key
+    ttl_left: float | None  # seconds until the key expires, None when not held
+    fence: int | None  # the key's fencing counter (the last token handed out); None: none yet
+
+    @property
+    def held(self) -> bool:
+        return self.holder is not None
+
+    @property
+    def task_id(self) -> str | None:
+        """The id of the task holding the key (None when free, or held outside a task)."""
+        return self.holder.task_id if self.holder is not None else None
+
+    def as_dict(self, now: float | None = None) -> dict[str, Any]:
+        """The fields the operator command prints; ``now`` (wall seconds) dates ``age``."""
+        holder = self.holder
+        now = time.time() if now is None else now
+        return {
+            "key": self.key,
+            "held": holder is not None,
+            "task": holder.task if holder else None,
+            "task_id": holder.task_id if holder else None,
+            "host": holder.host if holder else None,
+            "pid": holder.pid if holder else None,
+            "queued": holder.queued if holder else None,
+            "age": round(now - holder.since, 3) if holder else None,
+            "ttl_left": None if self.ttl_left is None else round(self.ttl_left, 3),
+            "fence": holder.fence if holder else self.fence,
+        }

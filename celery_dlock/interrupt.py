@@ -27,6 +27,7 @@ import threading
 from typing import Any
 
 from celery_dlock.errors import LockLost
+from celery_dlock.lease import Lease
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -57,8 +58,10 @@ class LockLostInterrupt(LockLost):
         return (LockLost, self.args, self.__dict__)
 
 
-class _Run:
+class Run:
     """One running body that may be interrupted."""
+
+    __slots__ = ("_lease", "active", "delivered", "error", "main", "requested", "thread")
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
@@ -66,14 +69,29 @@ class _Run:
         self.active = True
         self.requested = False
         self.delivered = False  # LockLost reached the body: by this interrupt, or by ensure()
-        #: The lease whose loss stops this body (set once acquired).
-        self.lease: object | None = None
+        self._lease: Lease | None = None
         #: The lease's LockLost, given by whoever asked for the interrupt.
         self.error: LockLost | None = None
 
+    @property
+    def lease(self) -> Lease | None:
+        """The lease whose loss stops this body (set once acquired)."""
+        return self._lease
+
+    @lease.setter
+    def lease(self, lease: Lease) -> None:
+        self._lease = lease
+        # The lease core knows nothing of bodies: it only calls back when its ensure()
+        # reports the loss, so that an interrupt for it is called off (see told()).
+        lease._told = told
+
+    def on_lost(self, lease: Lease, error: LockLost) -> None:
+        """The lease's loss callback (watchdog thread): interrupt this body."""
+        interrupt(self, error)
+
 
 _lock = threading.Lock()
-_runs: dict[int, _Run] = {}  # thread ident -> its running body
+_runs: dict[int, Run] = {}  # thread ident -> its running body
 _handler_installed = False
 
 
@@ -85,10 +103,10 @@ def _on_signal(signum: int, frame: Any) -> None:
         raise LockLostInterrupt()
 
 
-def start() -> _Run:
+def start() -> Run:
     """Mark the current thread's body as interruptible; call from the thread running it."""
     global _handler_installed
-    run = _Run()
+    run = Run()
     if run.main and SIGNAL is not None and not _handler_installed:
         signal.signal(SIGNAL, _on_signal)
         _handler_installed = True
@@ -97,8 +115,11 @@ def start() -> _Run:
     return run
 
 
-def stop(run: _Run) -> None:
-    """The body has ended: no interruption may land after this returns."""
+def stop(run: Run) -> None:
+    """The body has ended: no interruption may land after this returns. Only the first call
+    for a run does anything, so every way out of a body may call it."""
+    if not run.active:
+        return
     # Before taking the lock: the watchdog may hold it while it signals this very thread, and
     # the handler, running as soon as we get the lock, must then find the body over.
     run.active = False
@@ -109,7 +130,7 @@ def stop(run: _Run) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(run.thread), None)
 
 
-def told(lease: object) -> None:
+def told(lease: Lease) -> None:
     """``lease.ensure()`` is raising ``LockLost`` in this thread: its body knows, so an
     interrupt for that lease must not land on top (in the body's ``except`` clause, say)."""
     run = _runs.get(threading.get_ident())
@@ -121,7 +142,7 @@ def told(lease: object) -> None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(run.thread), None)
 
 
-def interrupt(run: _Run, error: LockLost | None = None) -> None:
+def interrupt(run: Run, error: LockLost | None = None) -> None:
     """Raise ``LockLost`` (with ``error``'s facts) in ``run``'s body if it is still running;
     callable from any thread."""
     with _lock:

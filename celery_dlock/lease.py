@@ -1,9 +1,14 @@
 """A held lock: its fencing token, how long it stays valid, and whether it was lost.
 
 Validity is kept on ``time.monotonic()``, counted from *before* the acquire or renew request was
-sent, minus the clock-drift allowance. So the holder's view always ends before Redis's own
-expiry (seed 000: the client's session must expire first), and a wall-clock jump changes
-nothing. :meth:`Lease.ensure` is the check to make right before touching the protected resource.
+sent, minus the clock-drift allowance, as Redlock computes a lock's validity
+(https://redis.io/docs/latest/develop/use/distributed-locks/). So the holder's view always ends
+before the backend's own expiry, and a wall-clock jump changes nothing: the holder stops
+believing it holds the key before anyone else can be given it. :meth:`Lease.ensure` is the
+check to make right before touching the protected resource.
+
+A lease knows the backend that issued it only through :class:`LeaseBackend` (the two calls it
+and the watchdog make), so this module imports no backend.
 """
 
 from __future__ import annotations
@@ -11,16 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from celery_dlock import interrupt
 from celery_dlock.errors import LockLost
 from celery_dlock.signals import lock_lost
-
-if TYPE_CHECKING:
-    from celery_dlock.redlock import LockManager
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -28,12 +29,27 @@ log = logging.getLogger("celery_dlock.renew")
 LostCallback = Callable[["Lease", LockLost], None]
 
 
+class LeaseBackend(Protocol):
+    """What a lease and the watchdog ask of the backend that issued the lease.
+
+    A part of :class:`celery_dlock.backend.Backend` (which states the semantics), named here
+    so that the lease core needs no backend module.
+    """
+
+    def release(self, lease: Lease, *, wait: bool = True) -> bool: ...
+
+    def renew(self, leases: Sequence[Lease]) -> list[str | None]: ...
+
+
 class Lease:
     """One acquisition of a key, alive until released, expired, or found taken."""
 
+    #: Called by ensure() as it reports the loss, with this lease (set by a task body's run).
+    _told: Callable[[Lease], None] | None = None
+
     def __init__(
         self,
-        manager: LockManager,
+        backend: LeaseBackend,
         key: str,
         token: int,
         head: str,
@@ -61,22 +77,23 @@ class Lease:
         self.acquired_at = started
         #: Who the signals name as sender: the task holding this lease, or None.
         self.sender = sender
-        self._manager = manager
+        #: The backend that issued this lease: it renews and releases it.
+        self.backend = backend
         self._head = head
         self._deadline = deadline
         self._lost: LockLost | None = None
         self._released = False
         self._given_back = False
         self._callbacks: list[LostCallback] = []
-        # Held while a renewal or the release talks to Redis about this lease, so a renewal
+        # Held while a renewal or the release talks to the backend about this lease, so a renewal
         # in flight can never re-create a key the release has just deleted.
         self.io_lock = threading.Lock()
         self.next_renewal = started + renew_interval if renew_interval else deadline
         self.renewals = 0
         #: Set when the lease's node announced a new master: renew again at once.
         self.hurried = False
-        #: Indices of nodes sent a command for this lease that never answered it: they may
-        #: still run it late, so the release owes them a void (LockManager.release).
+        #: The backend's record of where a command for this lease went unanswered (for Redis:
+        #: indices of nodes that may still run it late, so the release owes them a void).
         self._silent: frozenset[int] | None = None
 
     # -- state -----------------------------------------------------------------------------
@@ -130,8 +147,9 @@ class Lease:
         """Raise :class:`LockLost` unless the lease is still held and valid right now."""
         if self._lost is None and not self._released and time.monotonic() < self._deadline:
             return
-        # The caller hears of the loss here: a lost-lease interrupt for it is called off.
-        interrupt.told(self)
+        # The caller hears of the loss here: whoever must know it does (a task body's interrupt).
+        if self._told is not None:
+            self._told(self)
         if self._lost is not None:
             raise self._lost
         if self._released:
@@ -202,9 +220,9 @@ class Lease:
 
     def release(self, *, wait: bool = True) -> bool:
         """Give the lock back; True if a quorum confirmed the delete. Idempotent, never raises
-        on Redis errors (the key then expires after at most the ttl). ``wait=False`` sends the
+        on backend errors (the key then expires after at most the ttl). ``wait=False`` sends the
         release without waiting for the nodes' replies (and returns False)."""
-        return self._manager.release(self, wait=wait)
+        return self.backend.release(self, wait=wait)
 
     def give_back(self) -> bool:
         """Release now, at the holder's own request (a body freeing its key early, to queue

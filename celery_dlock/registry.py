@@ -1,9 +1,10 @@
-"""One lock manager per app or URL list, made on first use and shared by the process.
+"""One lock backend per app or URL list, made on first use and shared by the process.
 
-A manager owns the Redis clients of one node set, so sharing it means ``lock()`` and every
-task reuse the same connections. An app's ``dlock_*`` settings are read once, on first use
-(after the app's configuration has loaded); :func:`forget` drops what was cached, for tests
-that reconfigure an app.
+A backend owns the clients of one node set, so sharing it means ``lock()`` and every task
+reuse the same connections. Which backend serves a URL list is the URL scheme's choice
+(:func:`celery_dlock.config.backend_module`); this module imports none of them. An app's
+``dlock_*`` settings are read once, on first use (after the app's configuration has loaded);
+:func:`forget` drops what was cached, for tests that reconfigure an app.
 """
 
 from __future__ import annotations
@@ -11,32 +12,34 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from celery_dlock.config import Settings, check_urls, settings_from_app
+from celery_dlock.config import Settings, backend_module, check_urls, settings_from_app
 from celery_dlock.errors import ConfigError
-from celery_dlock.redlock import LockManager
 
-_managers: dict[Settings, LockManager] = {}
+if TYPE_CHECKING:
+    from celery_dlock.backend import Backend
+
+_managers: dict[Settings, Backend] = {}
 #: URL lists already checked, as given: ``lock(urls, key)`` parses and checks them once, not
 #: on every call (that was about a fifth of an uncontended lock cycle).
-_by_urls: dict[tuple[str, ...], LockManager] = {}
-_app_managers: weakref.WeakKeyDictionary[Any, LockManager] = weakref.WeakKeyDictionary()
+_by_urls: dict[tuple[str, ...], Backend] = {}
+_app_managers: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
-def manager_for_settings(settings: Settings) -> LockManager:
+def manager_for_settings(settings: Settings) -> Backend:
     with _registry_lock:
         manager = _managers.get(settings)
         if manager is None:
-            manager = _managers[settings] = LockManager(settings)
+            made: Backend = backend_module(settings.urls).make_backend(settings)
+            manager = _managers[settings] = made
         return manager
 
 
-def manager_for(app_or_urls: Any) -> LockManager:
-    """The shared manager for a Celery app (its ``dlock_*`` settings, read once) or URL list."""
-    if isinstance(app_or_urls, LockManager):
-        return app_or_urls
+def manager_for(app_or_urls: Any) -> Backend:
+    """The shared backend for a Celery app (its ``dlock_*`` settings, read once) or URL list;
+    a backend given is returned as it is."""
     if hasattr(app_or_urls, "conf"):
         manager = _app_managers.get(app_or_urls)
         if manager is None:
@@ -54,10 +57,19 @@ def manager_for(app_or_urls: Any) -> LockManager:
             if len(_by_urls) < 1000:  # URL lists built per call must not grow this unbounded
                 _by_urls[given] = manager
         return manager
+    if callable(getattr(app_or_urls, "acquire_checked", None)):  # a backend already
+        backend: Backend = app_or_urls
+        return backend
     raise ConfigError(
         "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
         f"{type(app_or_urls).__name__} ({app_or_urls!r})."
     )
+
+
+def backend_for(app_or_urls: Any) -> Backend:
+    """The shared backend for a Celery app (its ``dlock_*`` settings) or URL list; a backend
+    given is returned as it is."""
+    return manager_for(app_or_urls)
 
 
 def forget(app: Any) -> None:

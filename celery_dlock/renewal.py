@@ -1,11 +1,16 @@
 """The per-process watchdog thread that keeps held leases alive.
 
-One daemon thread per process renews every lease that asks for it, about every ttl/3, in one
-script call per node for all leases of that node (seed 002's compare-and-extend, batched). It
+One daemon thread per process renews every lease that asks for it, about every ttl/3, handing
+each backend all its due leases in one call (on Redis: one compare-and-extend script call per
+node, as https://redis.io/docs/latest/develop/use/distributed-locks/ extends a lock, batched). It
 reports a lease lost when a node says the key is gone or taken, or when the lease's own
 validity runs out before a renewal succeeds; it stops renewing after a lease's ``max_hold``.
 After ``fork()`` the child starts with no leases and starts its own thread on first use: the
 parent's leases stay the parent's.
+
+Backend-neutral: it knows a lease's backend only as :class:`~celery_dlock.lease.LeaseBackend`.
+A backend that learns some of its leases need renewing at once (Redis: a failover) says so
+through :meth:`Watchdog.hurry`.
 """
 
 from __future__ import annotations
@@ -15,15 +20,14 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery_dlock import forks, transport
-from celery_dlock.transport import background
+from celery_dlock import forks
+from celery_dlock.background import background
 
 if TYPE_CHECKING:
-    from celery_dlock.lease import Lease
-    from celery_dlock.redlock import LockManager
-    from celery_dlock.transport import Node
+    from celery_dlock.lease import Lease, LeaseBackend
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -68,15 +72,16 @@ class Watchdog:
                 # acquisitions are not, and a needless wake-up costs a GIL hand-off each.
                 self._cond.notify()
 
-    def hurry(self, node: Node) -> None:
-        """Renew every lease held on ``node`` now: its sentinels announced a new master, and
-        the new master's copies of the keys expire unless renewed there. A renewal already
-        under way (perhaps on the old master) is followed by another at once."""
+    def hurry(self, concerned: Callable[[LeaseBackend], bool]) -> None:
+        """Renew now every renewed lease whose backend is ``concerned``: the backend knows its
+        copies of those keys expire unless renewed at once (Redis: a node's sentinels announced
+        a new master). A renewal already under way (perhaps on the old master) is followed by
+        another at once."""
         self._fork_check()
         now = time.monotonic()
         with self._cond:
             for lease in self._leases:
-                if lease.renew_interval is not None and node in lease._manager.nodes:
+                if lease.renew_interval is not None and concerned(lease.backend):
                     lease.hurried = True
                     lease.next_renewal = min(lease.next_renewal, now)
             self._cond.notify()
@@ -122,7 +127,7 @@ class Watchdog:
 
     def _service(self, due: list[Lease]) -> None:
         now = time.monotonic()
-        batches: dict[LockManager, list[Lease]] = defaultdict(list)
+        batches: dict[LeaseBackend, list[Lease]] = defaultdict(list)
         for lease in due:
             if lease.released:
                 self.discard(lease)
@@ -134,11 +139,11 @@ class Watchdog:
                 # Not renewed (any more): nothing to do until its validity runs out.
                 lease.next_renewal = lease.deadline
             else:
-                batches[lease._manager].append(lease)
-        for manager, leases in batches.items():
-            self._renew(manager, leases)
+                batches[lease.backend].append(lease)
+        for backend, leases in batches.items():
+            self._renew(backend, leases)
 
-    def _renew(self, manager: LockManager, leases: list[Lease]) -> None:
+    def _renew(self, backend: LeaseBackend, leases: list[Lease]) -> None:
         # Skip leases being released right now (their io_lock is held): renewing one could
         # re-create a key the release has just deleted.
         held = [lease for lease in leases if lease.io_lock.acquire(blocking=False)]
@@ -148,7 +153,7 @@ class Watchdog:
                 return
             for lease in live:
                 lease.hurried = False
-            outcomes = manager.renew(live)
+            outcomes = backend.renew(live)
         finally:
             for lease in held:
                 lease.io_lock.release()
@@ -169,7 +174,7 @@ class Watchdog:
         if lease.mark_lost(reason):
             # Free what we may still hold on some nodes, so others need not wait for expiry;
             # off this thread, so a hung node cannot delay other leases' renewals.
-            background(lease._manager.release, lease)
+            background(lease.backend.release, lease)
 
 
 def _due_at(lease: Lease) -> float:
@@ -183,4 +188,3 @@ def _slack(lease: Lease) -> float:
 
 
 watchdog = Watchdog()
-transport.switch_hooks.append(watchdog.hurry)

@@ -24,7 +24,8 @@ renewal watchdog keeps the lease alive; if it is lost the body is stopped with
 
 With ``lock_on="enqueue"`` the key is taken when the task is published, as celery-singleton
 does: a duplicate ``.delay()`` returns the ``AsyncResult`` of the task already queued or running
-for that key, and the queued message's lock passes to its execution without a gap.
+for that key, and the queued message's lock passes to its execution without a gap (the publish
+side is :mod:`celery_dlock.enqueue`).
 
 Every option can be a keyword of ``@app.task(...)`` or a class attribute; they are checked when
 the task class is created.
@@ -36,26 +37,29 @@ import difflib
 import functools
 import inspect
 import logging
-import math
-import random
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, states
 from celery.exceptions import Ignore
-from celery.utils import uuid
 from celery.utils.time import get_exponential_backoff_interval
 
-from celery_dlock import interrupt
+from celery_dlock import enqueue, interrupt
+from celery_dlock.backend import Backend
 from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
-from celery_dlock.holder import Holder, head_token
+from celery_dlock.headers import (
+    HEADER_DUPLICATE_OF,
+    HEADER_REDELIVERED,
+    HEADER_REQUEUES,
+    HEADER_TICK,
+    HEADER_UNAVAILABLE,
+)
+from celery_dlock.holder import Holder
 from celery_dlock.keys import UNKEYABLE_FIX, KeyBuilder
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager, PendingAcquire
 from celery_dlock.registry import manager_for
 from celery_dlock.signals import lock_contended
 
@@ -80,15 +84,6 @@ POLICIES = ("drop", "requeue", "raise", "wait")
 LOCK_ON = ("execute", "enqueue")
 ON_LOST = ("raise", "flag")
 ON_UNAVAILABLE = ("requeue", "raise")
-
-#: Message headers the library adds (kept by Celery on retries).
-HEADER_REQUEUES = "dlock_requeues"  # requeues of a duplicate so far
-HEADER_UNAVAILABLE = "dlock_unavailable"  # requeues because Redis was unreachable so far
-HEADER_QUEUED = "dlock_queued"  # the message holds a queued lock (enqueue-time mode)
-HEADER_DUPLICATE_OF = "dlock_duplicate_of"  # published while this task id held the key
-HEADER_REDELIVERED = "dlock_redelivered"  # requeues of a redelivered copy of a running task
-HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
-HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
 
 LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
 
@@ -221,9 +216,7 @@ class SingletonTask(_TaskBase):
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
         if cls.lock_on == "enqueue" and cls.name:
-            from celery_dlock.worker import register_enqueue_task
-
-            register_enqueue_task(cls.name, app)
+            enqueue.register_enqueue_task(cls.name, app)
         return bound
 
     # -- the running lease ---------------------------------------------------------------------
@@ -272,51 +265,19 @@ class SingletonTask(_TaskBase):
         if duplicate_of:
             return self._drop_marked(key, duplicate_of)
         key = self._execution_key(key, request)
+        # Started before the acquire: the lease's loss handler needs the run to interrupt.
         run = interrupt.start() if self.on_lock_lost == "raise" else None
         lease: Lease | None = None
         try:
             try:
-                lease = resolved.manager.acquire_checked(
-                    key,
-                    resolved.ttl,
-                    self.lock_wait if self.on_duplicate == "wait" else 0.0,
-                    holder=request.id,
-                    interval=resolved.interval,
-                    max_hold=resolved.max_hold(request),
-                    on_lost=self._on_lost_handler(run),
-                    takeover=request.id if self.lock_on == "enqueue" else None,
-                    sender=self,
-                )
+                lease = self._acquire(resolved, key, request, run)
             except LockContended as exc:
                 return self._contended(key, exc, args, kwargs)
             except LockUnavailable as exc:
                 return self._unavailable(key, exc, args, kwargs)
-            if run is not None:
-                run.lease = lease
             if getattr(request, HEADER_REDELIVERED, None) and self._finished(request.id or ""):
-                # A redelivered copy that waited for the first execution: that one finished.
-                lease.release(wait=False)
-                log.info("task %s[%s]: finished already; copy skipped", self.name, request.id)
-                self._signal(key, None, "drop")
-                raise _explained_ignore(request.id)
-            # Kept per thread and task, not on ``self.request``: Celery may push a fresh request
-            # context inside ``__call__`` (eager runs on older versions).
-            stack = _lease_stack(self)
-            stack.append(lease)
-            try:
-                result = super().__call__(*args, **kwargs)
-            finally:
-                try:
-                    if run is not None:
-                        ending = run
-                        run = None  # the outer finally need not stop it again
-                        interrupt.stop(ending)
-                finally:  # even if the interrupt lands in stop() itself
-                    stack.pop()
-                    # Not waiting for the nodes' replies: they decide nothing for this task, and
-                    # the next task on this process reads them first. A no-op when a retry
-                    # already released the lease or handed it over.
-                    lease.release(wait=False)
+                self._skip_finished(key, lease, request.id)
+            result = self._run_body(lease, run, args, kwargs)
             if self.on_lock_lost == "raise" and lease.lost:
                 # The body finished, but not necessarily alone: do not report success.
                 lease.ensure_lost_error()
@@ -327,15 +288,65 @@ class SingletonTask(_TaskBase):
                 lease.ensure_lost_error()
             raise
         finally:
-            if run is not None:
+            # Still active: the body never ran, or the interrupt landed in _run_body's stop().
+            if run is not None and run.active:
                 interrupt.stop(run)
+
+    def _acquire(
+        self, resolved: _Resolved, key: str, request: Any, run: interrupt.Run | None
+    ) -> Lease:
+        """Take the execution's lease (LockContended, LockUnavailable: the caller's policy)."""
+        lease = resolved.manager.acquire_checked(
+            key,
+            resolved.ttl,
+            self.lock_wait if self.on_duplicate == "wait" else 0.0,
+            holder=request.id,
+            interval=resolved.interval,
+            max_hold=resolved.max_hold(request),
+            on_lost=self._on_lost_handler(run),
+            takeover=request.id if self.lock_on == "enqueue" else None,
+            sender=self,
+        )
+        if run is not None:
+            run.lease = lease
+        return lease
+
+    def _skip_finished(self, key: str, lease: Lease, task_id: str | None) -> None:
+        """A redelivered copy that waited for the first execution, which has finished: end
+        without running the body (raises ``Ignore``)."""
+        lease.release(wait=False)
+        log.info("task %s[%s]: finished already; copy skipped", self.name, task_id)
+        self._signal(key, None, "drop")
+        raise _explained_ignore(task_id)
+
+    def _run_body(
+        self, lease: Lease, run: interrupt.Run | None, args: Any, kwargs: Mapping[str, Any]
+    ) -> Any:
+        """Run the body under ``lease``; on every way out, stop the interrupt run first (so
+        nothing lands once the lease is gone), then let go of the lease."""
+        # Kept per thread and task, not on ``self.request``: Celery may push a fresh request
+        # context inside ``__call__`` (eager runs on older versions).
+        stack = _lease_stack(self)
+        stack.append(lease)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            try:
+                if run is not None:
+                    interrupt.stop(run)
+            finally:  # even if the interrupt lands in stop() itself
+                stack.pop()
+                # Not waiting for the nodes' replies: they decide nothing for this task, and
+                # the next task on this process reads them first. A no-op when a retry
+                # already released the lease or handed it over.
+                lease.release(wait=False)
 
     def _execution_key(self, key: str, request: Any) -> str:
         """The key the execution holds while its body runs: the call's own key. A subclass
         may run the body under another key (celery-once's ``unlock_before_run``)."""
         return key
 
-    def _lock_manager(self) -> LockManager:
+    def _lock_manager(self) -> Backend:
         """The lock manager of this task's nodes: the app's ``dlock_*`` settings. A subclass
         may read its nodes from elsewhere (the compat classes read the peers' settings)."""
         return manager_for(self.app)
@@ -354,10 +365,12 @@ class SingletonTask(_TaskBase):
         except Exception:  # no result backend, or it is down: cannot tell
             return False
 
-    def _on_lost_handler(self, run: Any) -> Callable[[Lease, LockLost], None] | None:
+    def _on_lost_handler(
+        self, run: interrupt.Run | None
+    ) -> Callable[[Lease, LockLost], None] | None:
         policy = self.on_lock_lost
-        if policy == "raise":
-            return lambda lease, error: interrupt.interrupt(run, error)
+        if policy == "raise" and run is not None:
+            return run.on_lost
         if callable(policy):
             return lambda lease, error: policy(self, lease, error)
         return None
@@ -386,13 +399,13 @@ class SingletonTask(_TaskBase):
         lease = self.lease
         retrying = lease is not None and throw and self.lock_on == "execute"
         if retrying:
-            _retrying.lease = lease
+            enqueue.retrying.lease = lease
         # throw=False in enqueue-time mode: the body goes on, so the key must not pass to the
         # retry message (its run would take it over while this body still runs); the retry
         # is published without a queued lock and waits for the key like any retry.
         keeping = lease is not None and not throw and self.lock_on == "enqueue"
         if keeping:
-            _retrying.keep = lease
+            enqueue.retrying.keep = lease
         try:
             return super().retry(
                 args=args,
@@ -406,9 +419,9 @@ class SingletonTask(_TaskBase):
             )
         finally:
             if retrying:
-                _retrying.lease = None
+                enqueue.retrying.lease = None
             if keeping:
-                _retrying.keep = None
+                enqueue.retrying.keep = None
 
     # -- duplicates ----------------------------------------------------------------------------
 
@@ -417,7 +430,7 @@ class SingletonTask(_TaskBase):
     ) -> Any:
         request = self.request
         holder = exc.holder
-        if holder is not None and holder.holder == request.id and not holder.queued:
+        if holder is not None and holder.task_id == request.id and not holder.queued:
             # Held by another execution of this very task id.
             delivery = request.delivery_info or {}
             if delivery.get("redelivered") or getattr(request, HEADER_REDELIVERED, None):
@@ -436,7 +449,7 @@ class SingletonTask(_TaskBase):
         if policy == "drop":
             who = holder.describe() if holder else "another holder"
             return self._drop(
-                key, holder, holder.holder if holder else None, f"{key!r} is held by {who}"
+                key, holder, holder.task_id if holder else None, f"{key!r} is held by {who}"
             )
         raise exc  # "raise", or "wait" that ran out
 
@@ -568,278 +581,19 @@ class SingletonTask(_TaskBase):
                 {n: options[n] for n in self._peer_options if n in options},
                 f"task {self.name!r}: apply_async()",
             )
-        headers = options.get("headers") or {}
         if self.lock_on != "enqueue" or self.app.conf.task_always_eager:
-            retrying: Lease | None = getattr(_retrying, "lease", None)
+            retrying: Lease | None = getattr(enqueue.retrying, "lease", None)
             if retrying is not None and retrying.holder == task_id:
                 # Celery's retry() publishing it: now, and only now, the key goes.
-                _retrying.lease = None
+                enqueue.retrying.lease = None
                 retrying._release_for("given up for the retry Celery published")
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        task_id = task_id or uuid()
-        from celery_dlock.beat import mark_send  # beat imports this module
-
-        headers = dict(headers)
-        if mark_send(self, task_id, headers):
-            # A beat send for a slot already sent: no queued lock; the worker drops it.
-            options["headers"] = headers
-            return super().apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
-            )
-        wanted = self._wire_key(args, kwargs, options.get("serializer"))
-        early = send_queue_lock(self, wanted, task_id, options)
-        key: str | None = wanted  # with early: the reply is read in before_task_publish
-        token = early.token if early is not None else None
-        if early is None:
-            queued = queue_lock(self, wanted, task_id, options)
-            if queued.holder_id is not None:
-                return self.AsyncResult(queued.holder_id)
-            key, token = queued.key, queued.token
-        # The message names its queued lock's acquisition, so that a worker discarding it
-        # (revoked, expired) frees that lock and nothing else. Marked even without a queued
-        # lock (Redis unreachable): our before_task_publish handler then leaves it alone.
-        options["headers"] = {**headers, HEADER_QUEUED: token or 1}
-        try:
-            return super().apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
-            )
-        except MergedDuplicate as merged:  # our before_task_publish handler called it off
-            if merged.holder_id != task_id:  # the same id (published again): still wanted
-                _unsubscribe(self, task_id)
-            return self.AsyncResult(merged.holder_id)
-        except BaseException:
-            if early is not None:  # the reply may not have been read: the publish failed first
-                key = early.finish_quietly()
-            if key is not None and token is not None:  # not published: free the key again
-                self._dlock().manager.release_token(key, token)
-            raise
-        finally:
-            if early is not None:
-                take_early(task_id)
-
-
-#: Per thread: the lease of the execution whose ``retry()`` is under way (execution-time mode).
-_retrying = threading.local()
-
-
-class MergedDuplicate(BaseException):
-    """Calls off the publish of an enqueue-time duplicate from ``before_task_publish``.
-
-    A BaseException because Celery's signal dispatch logs and swallows every ``Exception`` a
-    receiver raises; ``SingletonTask.apply_async`` catches it and returns the holder's result.
-    """
-
-    def __init__(self, holder_id: str) -> None:
-        super().__init__(holder_id)
-        self.holder_id = holder_id
-
-
-class EarlyLock:
-    """A queued lock's acquisition sent before Celery builds the message, read at publish."""
-
-    def __init__(self, task: SingletonTask, key: str, pending: PendingAcquire) -> None:
-        self.task = task
-        self.key = key
-        self.pending = pending
-        self.taken = False  # set once the reply said this message holds the key
-
-    @property
-    def token(self) -> str:
-        """The acquisition's random token: the message carries it."""
-        return self.pending.token
-
-    def finish_quietly(self) -> str | None:
-        """Read the reply if that was not done; the key if this message took it."""
-        if not self.taken:
-            try:
-                self.task._dlock().manager.forget(self.pending.finish())
-                self.taken = True
-            except Exception:
-                pass
-        return self.key if self.taken else None
-
-
-#: Per thread: task id -> the early acquisition of the message being published.
-_early = threading.local()
-
-
-def _early_locks() -> dict[str, EarlyLock]:
-    found: dict[str, EarlyLock] | None = getattr(_early, "locks", None)
-    if found is None:
-        found = _early.locks = {}
-    return found
-
-
-def take_early(task_id: Any) -> EarlyLock | None:
-    """The early acquisition of message ``task_id`` still to be read, if any (removed)."""
-    return _early_locks().pop(task_id, None) if task_id else None
-
-
-#: Keys recently found held at publish: their next publishes check before building a message
-#: (a storm of duplicates stays cheap), the others overlap the check with building it.
-_held_recently: dict[str, float] = {}
-HELD_RECHECK = 1.0
-
-
-def send_queue_lock(
-    task: SingletonTask, key: str, task_id: str, options: Mapping[str, Any]
-) -> EarlyLock | None:
-    """Send the queued lock's acquisition without waiting, where that is possible.
-
-    None when the caller must use :func:`queue_lock` instead: Redlock or Cluster, a retry of
-    the running execution (its key is handed over), or a key found held less than
-    ``HELD_RECHECK`` seconds ago.
-    """
-    if time.monotonic() - _held_recently.get(key, -math.inf) < HELD_RECHECK:
-        return None
-    if _running_lease(task, key, task_id) is not None:
-        return None
-    ttl = task._queued_ttl(options) + _delay_of(options)
-    pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
-    if pending is None:
-        return None
-    early = EarlyLock(task, key, pending)
-    _early_locks()[task_id] = early
-    return early
-
-
-def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
-    """In ``before_task_publish``: read the early acquisition's reply. The message goes out
-    holding the key, goes out without a queued lock (Redis unreachable: logged), or is called
-    off with :class:`MergedDuplicate` (another task holds the key)."""
-    queued = queue_lock(early.task, early.key, headers["id"], {}, early=early)
-    if queued.holder_id is not None:
-        raise MergedDuplicate(queued.holder_id)
-
-
-def _unsubscribe(task: SingletonTask, task_id: str) -> None:
-    """Undo the result subscription Celery made for a publish that was called off."""
-    try:
-        consumer = getattr(task.backend, "result_consumer", None)
-        if consumer is not None:
-            consumer.cancel_for(task_id)
-    except Exception:  # best effort: at worst one idle subscription
-        log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
-
-
-def _running_lease(task: SingletonTask, key: str, task_id: str) -> Lease | None:
-    """The lease of the running execution this publish is a retry (or re-publish) of."""
-    running = task.lease
-    if running is not None and running.key == key and running.holder == task_id:
-        return running
-    return None
-
-
-class Queued(NamedTuple):
-    """What :func:`queue_lock` got for a message about to be published."""
-
-    key: str | None  # the key this message now holds, or None
-    holder_id: str | None  # the task holding the key instead (a duplicate of it), or None
-    token: str | None = None  # the queued lock's acquisition token, when ``key`` is set
-
-
-def queue_lock(
-    task: SingletonTask,
-    key: str,
-    task_id: str,
-    options: Mapping[str, Any],
-    early: EarlyLock | None = None,
-) -> Queued:
-    """Take the queued lock on ``key`` for a message about to be published (enqueue-time mode).
-
-    ``key`` set: this message now holds it, by the acquisition ``token``. ``holder_id`` set:
-    another task holds it (this message is a duplicate of that one). Neither: no lock could be
-    taken (Redis unreachable, or a holder that is not a task); publish anyway, the
-    execution-time lock still protects the body. With ``early``, the first attempt is that
-    acquisition, already sent.
-    """
-    manager = task._dlock().manager
-    ttl = task._queued_ttl(options) + _delay_of(options)
-    running = None if early is not None else _running_lease(task, key, task_id)
-    if running is not None:  # a retry of the running execution: the key goes with the message
-        if getattr(_retrying, "keep", None) is running:
-            return Queued(None, None)  # ... unless the body goes on (retry(throw=False))
-        token = manager.hand_over(running, ttl)
-        return Queued(key, None, token) if token is not None else Queued(None, None)
-    attempt = 0
-    splits = 0
-    revoked_checked = False
-    while True:
-        attempt += 1
-        try:
-            if early is not None and attempt == 1:
-                queued = early.pending.finish()
-            else:
-                # No take-over, not even of a queued lock of this very task id: publishing
-                # an id again while its message waits is a duplicate like any other (merged),
-                # or the body would run once per message. Its retry's key comes by hand_over.
-                queued = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, queued=True)
-        except LockUnavailable as exc:
-            log.warning(
-                "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
-            )
-            return Queued(None, None)
-        except LockContended as exc:
-            holder = exc.holder
-            if holder is None and exc.retry_after is None and splits < QUEUE_SPLIT_RETRIES:
-                # Redlock contenders collided and nobody holds a majority yet; one of them
-                # soon will. Look again rather than publish a second message for the key.
-                splits += 1
-                time.sleep(random.uniform(0.0, 0.01 * splits))
-                continue
-            if holder is None or holder.holder is None:
-                return Queued(None, None)
-            if not revoked_checked and holder.queued and _revoked(task, holder.holder):
-                # The queued task was revoked before any worker saw it: its lock (that one
-                # acquisition, not whatever holds the key by then) is free to go.
-                revoked_checked = True
-                manager.release_token(key, holder.token)
-                continue
-            if len(_held_recently) > 1000:
-                _held_recently.clear()
-            _held_recently[key] = time.monotonic()
-            lock_contended.send(
-                sender=task,
-                key=key,
-                token=None,
-                task_id=task_id,
-                holder=holder,
-                policy="merge",
-                retry_in=None,
-            )
-            return Queued(None, holder.holder)
-        manager.forget(queued)
-        if early is not None:
-            early.taken = True
-        return Queued(key, None, head_token(queued.head))
-
-
-#: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
-#: contenders for a queued lock collided, on top of the acquire's own retries.
-QUEUE_SPLIT_RETRIES = 10
-
-
-#: Holder ids recently found not revoked: a storm of duplicates reads the backend once a
-#: second per holder, not once per duplicate.
-_not_revoked: dict[str, float] = {}
-REVOKED_RECHECK = 1.0
-
-
-def _revoked(task: SingletonTask, task_id: str) -> bool:
-    now = time.monotonic()
-    if now - _not_revoked.get(task_id, -math.inf) < REVOKED_RECHECK:
-        return False
-    try:
-        revoked = str(task.AsyncResult(task_id).state) == states.REVOKED
-    except Exception:  # no result backend, or it is down: assume not revoked
-        revoked = False
-    if not revoked:
-        if len(_not_revoked) > 1000:
-            _not_revoked.clear()
-        _not_revoked[task_id] = now
-    return revoked
+        send = super().apply_async
+        return enqueue.publish(
+            self, send, args, kwargs, task_id, producer, link, link_error, shadow, options
+        )
 
 
 def requeue_delay(done: int, first: float, cap: float) -> float:
@@ -892,14 +646,17 @@ def _lease_stack(task: SingletonTask) -> list[Lease]:
     stacks: dict[int, list[Lease]] | None = getattr(_running, "stacks", None)
     if stacks is None:
         stacks = _running.stacks = {}
-    return stacks.setdefault(id(task), [])
+    stack = stacks.get(id(task))
+    if stack is None:  # not setdefault: that would build a list on every call
+        stack = stacks[id(task)] = []
+    return stack
 
 
 class _Resolved:
     """A task's lock settings with the app's ``dlock_*`` settings applied; made on first use."""
 
     def __init__(self, task: SingletonTask) -> None:
-        self.manager: LockManager = task._lock_manager()
+        self.manager: Backend = task._lock_manager()
         self.ttl = task.lock_ttl if task.lock_ttl is not None else self.manager.settings.ttl
         self.keys = KeyBuilder(task.name, task.run, task.lock_key, task._unkeyable_fix)
         self._task = task
@@ -982,20 +739,3 @@ def check_options(cls: type[SingletonTask]) -> None:
         else:
             signature_of = run
         KeyBuilder(name, signature_of, cls.lock_key)
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _delay_of(options: Mapping[str, Any]) -> float:
-    """Seconds until a message with these options may run (countdown or eta)."""
-    countdown = options.get("countdown")
-    if countdown:
-        return max(0.0, float(countdown))
-    eta = options.get("eta")
-    if isinstance(eta, datetime):
-        if eta.tzinfo is None:
-            eta = eta.replace(tzinfo=timezone.utc)
-        return max(0.0, (eta - _utcnow()).total_seconds())
-    return 0.0

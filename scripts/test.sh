@@ -6,6 +6,7 @@ set -euo pipefail
 . "$(dirname "$0")/_venv.sh" "test"
 echo "== ruff"; ruff check . && ruff format --check .
 echo "== mypy (strict)"; mypy celery_dlock example_project
+echo "== import layers and cycles (import-linter)"; lint-imports --no-cache
 echo "== docs (mkdocs --strict)"; mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 # Debian-only test tools: installed when missing and we may (root); their tests skip otherwise.
 if ! command -v faketime >/dev/null 2>&1; then

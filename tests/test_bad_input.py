@@ -10,8 +10,7 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError, DLockConfigWarning, lock
-from celery_dlock.config import Settings
-from celery_dlock.endpoints import redact
+from celery_dlock.config import Settings, redact
 from tests.clients import client
 
 GOOD = ["redis://127.0.0.1:1/0"]
@@ -195,7 +194,7 @@ def runtime_error(urls: list[str], key: str = "report") -> str:
 
 @pytest.mark.local_redis
 def test_runtime_bad_input_table() -> None:
-    from celery_dlock.diagnose import acl_rules
+    from celery_dlock.redis.diagnose import acl_rules
     from celery_dlock.testing import RedisServer, free_port
     from tests.tls import TlsProxy, make_certificates, tls_url
 

@@ -18,13 +18,13 @@ from celery.schedules import crontab, schedule
 
 from celery_dlock import SingletonTask
 from celery_dlock.beat import (
-    HEADER_DUPLICATE_OF,
     _wrap_apply_async,
     tick_gap,
     tick_key,
     tick_margin,
     tick_slot,
 )
+from celery_dlock.headers import HEADER_DUPLICATE_OF
 from celery_dlock.testing import free_port
 from tests.clients import client
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from celery_dlock import LockLost
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.redlock import LockManager
 from celery_dlock.testing import RedisServer
 from tests import cli_app
 

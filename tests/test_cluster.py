@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dlock import ConfigError, LockContended, LockUnavailable, lock, scripts
-from celery_dlock.diagnose import acl_rules
+from celery_dlock import ConfigError, LockContended, LockUnavailable, lock
 from celery_dlock.holder import value_head
-from celery_dlock.redlock import LockManager, revoked_key, void_key
+from celery_dlock.redis import scripts
+from celery_dlock.redis.diagnose import acl_rules
+from celery_dlock.redis.redlock import LockManager, revoked_key, void_key
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import free_port
 from tests.celery_fixtures import Mode, with_db

@@ -28,12 +28,12 @@ import pytest
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
-from celery_dlock.janitor import SWEEP_TICK
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.janitor import SWEEP_TICK
+from celery_dlock.redis.redlock import LockManager
+from celery_dlock.redis.transport import CONFIRM_GRACE
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
-from celery_dlock.transport import CONFIRM_GRACE
 from tests.clients import client
 from tests.proxy import FaultProxy
 

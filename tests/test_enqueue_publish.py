@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_dlock import SingletonTask
-from celery_dlock import task as task_module
-from celery_dlock.task import HEADER_QUEUED
+from celery_dlock import SingletonTask, enqueue
+from celery_dlock.headers import HEADER_QUEUED
 from celery_dlock.testing import free_port
 from tests.clients import client
 
@@ -39,7 +38,7 @@ def publisher(
 @pytest.fixture
 def enqueue_app(single_urls: list[str]) -> Iterator[tuple[Celery, Any]]:
     app, job = publisher(single_urls[0], single_urls, "early")
-    task_module._held_recently.clear()  # every publish below takes the early path
+    enqueue._held_recently.clear()  # every publish below takes the early path
     yield app, job
     app.close()
 
@@ -58,7 +57,7 @@ def test_a_duplicate_found_at_publish_is_not_published(
     # The message names its queued lock's acquisition (its token), for a worker discarding it.
     holder = job._dlock().manager.holder(job.lock_key_for((1,), {}))
     assert queued_messages(app)[0]["headers"][HEADER_QUEUED] == holder.token
-    task_module._held_recently.clear()  # so the duplicate, too, is read at publish
+    enqueue._held_recently.clear()  # so the duplicate, too, is read at publish
 
     duplicate = job.apply_async((1,), task_id="second")
 
@@ -72,12 +71,12 @@ def test_a_publish_that_fails_after_the_acquisition_frees_the_key(
     single_urls: list[str],
 ) -> None:
     app, job = publisher(f"redis://127.0.0.1:{free_port()}/0", single_urls, "nobroker", None)
-    task_module._held_recently.clear()
+    enqueue._held_recently.clear()
     with pytest.raises(Exception):  # noqa: B017, PT011 - whatever the broker client raises
         job.delay(7)
     manager = job._dlock().manager
     assert manager.holder(job.lock_key_for((7,), {})) is None
-    assert task_module._early_locks() == {}
+    assert enqueue._early_locks() == {}
     app.close()
 
 
@@ -86,7 +85,7 @@ def test_lock_redis_unreachable_publishes_without_a_queued_lock(
 ) -> None:
     dead = [f"redis://127.0.0.1:{free_port()}/0"]
     app, job = publisher(single_urls[0], dead, "nolock", backend=None)
-    task_module._held_recently.clear()
+    enqueue._held_recently.clear()
     with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
         result = job.delay(3)
     assert [m["headers"]["id"] for m in queued_messages(app)] == [result.id]

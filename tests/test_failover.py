@@ -27,10 +27,11 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dlock import LockContended, LockLost, LockUnavailable, lock, transport
+from celery_dlock import LockContended, LockLost, LockUnavailable, lock
 from celery_dlock.config import Settings
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis import nodes
+from celery_dlock.redis.redlock import LockManager
 from tests.celery_fixtures import with_db
 from tests.clients import client
 from tests.sentinel import Group, poll, sentinel_group
@@ -200,7 +201,7 @@ def test_a_script_refused_readonly_asks_the_sentinels_again(
     """Item 6: with the announcements unheard, a master demoted by ``REPLICAOF`` keeps its
     clients and answers each script ``READONLY`` (a ``ResponseError`` on Redis 6.2). That must
     send the connection back to the sentinels, not leave the lease to expire."""
-    monkeypatch.setattr(transport, "HEAR_SWITCHES", False)
+    monkeypatch.setattr(nodes, "HEAR_SWITCHES", False)
     manager = LockManager(Settings(urls=(group.url,)))
     lease = manager.acquire("ro", ttl=3)
     try:
@@ -230,7 +231,7 @@ def test_a_reply_less_release_refused_readonly_reaches_the_new_master(
     end-of-task release (``wait=False``, no reply read) with ``READONLY``. The release must
     still free the key on the new master, even when the thread's next command (the next
     task's acquire) comes at once."""
-    monkeypatch.setattr(transport, "HEAR_SWITCHES", False)
+    monkeypatch.setattr(nodes, "HEAR_SWITCHES", False)
     manager = LockManager(Settings(urls=(group.url,)))
     try:
         lease = manager.acquire("ro-release", ttl=30)
@@ -256,7 +257,7 @@ def test_a_child_forked_between_two_failovers_follows_the_second(group: Group) -
     must not be held against a newer one for ever."""
     manager = LockManager(Settings(urls=(group.url,)))
     node = manager.nodes[0]
-    assert isinstance(node, transport.SentinelNode)
+    assert isinstance(node, nodes.SentinelNode)
     try:
         manager.acquire("fork-a", ttl=5, renew=False).release()  # subscribes this process
         group.switch()

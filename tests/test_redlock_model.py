@@ -48,14 +48,14 @@ from hypothesis.stateful import (
 from celery_dlock import LockContended, LockUnavailable
 from celery_dlock.config import drift
 from celery_dlock.lease import Lease
-from celery_dlock.redlock import LockManager
+from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
 
 pytestmark = [pytest.mark.local_redis, pytest.mark.slow]
 
 NODE_TIMEOUT = 0.25
-COOL_DOWN = max(0.5, 2 * NODE_TIMEOUT)  # transport.Node.mark_down
+COOL_DOWN = max(0.5, 2 * NODE_TIMEOUT)  # nodes.Node.mark_down
 #: How long voids and owed deletes may take to land once every node answers: the janitor's
 #: longest backoff (1 s), a node timeout, and slack for a loaded machine.
 JANITOR_BOUND = 1.0 + NODE_TIMEOUT + 1.5

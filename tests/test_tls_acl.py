@@ -2,7 +2,7 @@
 
 Three redis-servers, each behind a :class:`tests.tls.TlsProxy` that requires a client
 certificate; on each, an ACL user made with exactly the rules the docs give
-(:func:`celery_dlock.diagnose.acl_rules`). Every misconfiguration gets an error that names the
+(:func:`celery_dlock.redis.diagnose.acl_rules`). Every misconfiguration gets an error that names the
 URL (password hidden) and the fix.
 """
 
@@ -22,10 +22,11 @@ import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockUnavailable, SingletonTask, lock
-from celery_dlock.diagnose import ACL_COMMANDS, acl_rules
+from celery_dlock.redis.diagnose import ACL_COMMANDS, acl_rules
+from celery_dlock.redis.nodes import Node
+from celery_dlock.redis.transport import _stale
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
-from celery_dlock.transport import Node, _stale
 from tests.test_cli import dlock as dlock_cli
 from tests.tls import Certificates, TlsProxy, make_certificates, tls_url
 

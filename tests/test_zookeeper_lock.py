@@ -272,7 +272,7 @@ def test_a_refusal_costs_one_create_and_one_list(url: str) -> None:
         del client._call
     held.release()
     assert caught.value.holder is not None
-    assert caught.value.holder.holder == "task-a"
+    assert caught.value.holder.task_id == "task-a"
     assert caught.value.holder.fence == held.token
     # create + list (one round trip), then the holder's identity and our delete (one more)
     assert sorted(seen) == ["Create2", "Delete", "GetChildren", "GetData"]
@@ -318,7 +318,7 @@ def test_holder_identity_is_readable_by_another_client(url: str) -> None:
         info = _second_client(url).inspect("who")
         listed = _second_client(url).locks("wh")
     assert holder is not None
-    assert (holder.holder, holder.pid, holder.fence) == ("task-42", os.getpid(), lease.token)
+    assert (holder.task_id, holder.pid, holder.fence) == ("task-42", os.getpid(), lease.token)
     assert info.held
     assert info.task_id == "task-42"
     assert info.fence == lease.token
@@ -358,24 +358,22 @@ def test_a_forced_release_of_an_uncontended_key_is_noticed(url: str) -> None:
     operator = _second_client(url)
     holder = operator.holder("alone")
     assert holder is not None
-    assert operator.release_token(
-        "alone", holder.nonce if hasattr(holder, "nonce") else holder.token
-    )
+    assert operator.release_nonce("alone", holder.nonce)
     until(lambda: lease.lost, 10, "the holder to notice")
     assert "deleted by another client" in (lease.lost_reason or "")
     lease.release()
 
 
 @needs_zk
-def test_operator_calls_check_endpoints_purge_and_release_by_holder(url: str, zk: ZkServer) -> None:
+def test_operator_calls_check_endpoints_purge_and_release_by_task(url: str, zk: ZkServer) -> None:
     backend = ZooKeeperBackend(url)
     assert backend.check() == [(backend.endpoints()[0], None)]
     assert backend.endpoints()[0].startswith(f"zookeeper://{zk.hosts}/t-")
     a = backend.acquire("jobs:a", holder="task-a")
     b = backend.acquire("jobs:b", holder="task-b")
     other = backend.acquire("other", holder="task-c")
-    assert not backend.release_by_holder("jobs:a", "task-x")
-    assert backend.release_by_holder("jobs:a", "task-a")
+    assert not backend.release_by_task("jobs:a", "task-x")
+    assert backend.release_by_task("jobs:a", "task-a")
     until(lambda: a.lost, 10, "the holder of jobs:a to notice")
     assert backend.purge("jobs:") == ["jobs:b"]
     until(lambda: b.lost, 10, "the holder of jobs:b to notice")

@@ -19,20 +19,20 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.compat.singleton import (
+from celery_dlock.backend import Backend
+from celery_dlock.compat.peer import (
+    PeerTask,
     check_argument_names,
     default_key,
     eager_holder,
-    free_leftover,
     give_back_own,
     held_by_own_id,
-    key_method,
 )
 from celery_dlock.config import check_seconds, settings_from_app
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.redlock import LockManager
+from celery_dlock.headers import HEADER_QUEUED
 from celery_dlock.registry import manager_for, manager_for_settings
-from celery_dlock.task import HEADER_QUEUED, PEER_OPTIONS, SingletonTask
+from celery_dlock.task import PEER_OPTIONS
 
 #: celery-once's Redis backend, under the names it can be given by.
 _REDIS_BACKENDS = ("celery_once.backends.Redis", "celery_once.backends.redis.Redis")
@@ -142,7 +142,7 @@ class OnceBackend:
 _call = threading.local()
 
 
-class QueueOnce(SingletonTask):
+class QueueOnce(PeerTask):
     """celery-once's ``QueueOnce``: a duplicate publish raises :class:`AlreadyQueued`.
 
     The key is taken when the task is published and held until the execution ends (or, with
@@ -150,9 +150,10 @@ class QueueOnce(SingletonTask):
     runs, freed on revoke and crash, and ``send_task`` publishes are deduplicated too.
     """
 
-    lock_on = "enqueue"
-    #: A subclass defines its own ``__call__``: see :func:`free_leftover`.
-    _own_call: ClassVar[bool] = False
+    _key_method = (
+        "get_key",
+        lambda method, task, args, kwargs: method(task, list(args), dict(kwargs)),
+    )
     #: celery-once's task options: ``keys``, ``timeout``, ``graceful``, ``unlock_before_run``.
     once: ClassVar[Mapping[str, Any]] = {"graceful": False, "unlock_before_run": False}
 
@@ -183,21 +184,7 @@ class QueueOnce(SingletonTask):
                 # The body runs under a key of its own: a duplicate published meanwhile is
                 # queued, and waits (requeued) for the running one to end before it runs.
                 cls.on_duplicate = "requeue"
-        if "__call__" in cls.__dict__:
-            cls._own_call = True
-        key_method(
-            cls,
-            "get_key",
-            lambda method, task, args, kwargs: method(task, list(args), dict(kwargs)),
-        )
         super().__init_subclass__(**kwargs)
-
-    def after_return(
-        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
-    ) -> None:
-        super().after_return(status, retval, task_id, args, kwargs, einfo)
-        if self._own_call:
-            free_leftover(self, args, kwargs, task_id)
 
     # -- celery-once's settings ----------------------------------------------------------------
 
@@ -221,7 +208,7 @@ class QueueOnce(SingletonTask):
     def unlock_before_run(self) -> bool:
         return bool(self.once.get("unlock_before_run", False))
 
-    def _lock_manager(self) -> LockManager:
+    def _lock_manager(self) -> Backend:
         settings = once_settings(self.app.conf)
         if self.app.conf.get("dlock_urls") is not None:
             return manager_for(self.app)
@@ -335,7 +322,7 @@ class QueueOnce(SingletonTask):
         if request is not None:
             # The queued message's key is freed as the run starts (what unlock_before_run is
             # for), so the next publish is queued; the run itself holds a key of its own.
-            token = getattr(request, HEADER_QUEUED, None)
-            if isinstance(token, str):
-                self._dlock().manager.release_token(key, token)
+            nonce = getattr(request, HEADER_QUEUED, None)
+            if isinstance(nonce, str):
+                self._dlock().manager.release_nonce(key, nonce)
         return f"{key}:running"

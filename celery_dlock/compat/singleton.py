@@ -9,20 +9,25 @@ already queued or running for the key, or raises :class:`DuplicateTaskError` nam
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
 from celery.utils import uuid
 
+from celery_dlock.backend import Backend
+from celery_dlock.compat.peer import (
+    PeerTask,
+    check_argument_names,
+    default_key,
+    eager_holder,
+    give_back_own,
+    held_by_own_id,
+)
 from celery_dlock.config import check_seconds, settings_from_app
-from celery_dlock.errors import ConfigError, LockUnavailable
-from celery_dlock.keys import KeyBuilder
-from celery_dlock.redlock import LockManager
+from celery_dlock.errors import ConfigError
 from celery_dlock.registry import manager_for, manager_for_settings
-from celery_dlock.task import PEER_OPTIONS, SingletonTask
+from celery_dlock.task import PEER_OPTIONS
 
 #: celery-singleton's default backend, under the names it can be given by.
 _REDIS_BACKENDS = (
@@ -101,100 +106,6 @@ class SingletonConfig:
             )
 
 
-def eager_holder(
-    task: SingletonTask, args: Any, kwargs: Any, options: Mapping[str, Any]
-) -> str | None:
-    """Under ``task_always_eager``: the id of the task holding the call's key, else None.
-
-    The peers lock in ``apply_async`` even when Celery runs the task eagerly, so a held key
-    makes an eager ``.delay()`` a duplicate (``AlreadyQueued``, ``DuplicateTaskError``, the
-    holder's result) as in production. ``SingletonTask`` takes no queued lock under eager
-    mode, and its eager run would find the key held and finish at once with a drop result,
-    in state ``SUCCESS``. A key held by no task, or Redis unreachable: None (the run's own
-    lock decides, as for a publish).
-    """
-    if not task.app.conf.task_always_eager:
-        return None
-    key = task._wire_key(args, kwargs, options.get("serializer"))
-    try:
-        holder = task._dlock().manager.holder(key)
-    except LockUnavailable:
-        return None
-    return None if holder is None else holder.holder
-
-
-class PeerKey:
-    """The ``lock_key`` of a compat task class that overrides the peer's key method
-    (celery-singleton's ``generate_lock``, celery-once's ``get_key``), the peers' way to a key
-    of one's own: the lock key is what that method returns, at publish and in the worker.
-    ``default`` is the key spec the method's own ``super()`` call computes."""
-
-    def __init__(self, method: Callable[..., Any], default: Any) -> None:
-        self.method = method  # (task, args, kwargs) -> str
-        self.default = default
-
-    def __get__(self, task: Any, owner: type | None = None) -> Any:
-        if task is None:
-            return self
-        return functools.partial(self.method, task)
-
-    def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        raise TypeError("a PeerKey is called through its task: task.lock_key(args, kwargs)")
-
-
-def key_method(cls: Any, name: str, call: Callable[..., Any]) -> None:
-    """Make ``cls``'s override of the peer's key method ``name`` (its own, or a base class's)
-    the task's lock key; ``call(method, task, args, kwargs)`` calls it."""
-    missing = object()
-    own = cls.__dict__.get("lock_key", missing)  # set here: by unique_on or once['keys']
-    inherited = next(b.__dict__["lock_key"] for b in cls.__mro__[1:] if "lock_key" in b.__dict__)
-    method = cls.__dict__.get(name)
-    if callable(method):
-        if own is not missing:
-            default = own
-        else:
-            default = inherited.default if isinstance(inherited, PeerKey) else inherited
-        cls.lock_key = PeerKey(functools.partial(call, method), default)
-    elif own is not missing and isinstance(inherited, PeerKey) and not isinstance(own, PeerKey):
-        # unique_on / once['keys'] below a class that overrides the key method: the method
-        # still makes the key; the new spec is what its super() call computes.
-        cls.lock_key = PeerKey(inherited.method, own)
-
-
-def default_key(task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
-    """The key of a call as the compat class makes it without an overridden key method."""
-    spec = type(task).lock_key
-    if not isinstance(spec, PeerKey):
-        if task.lock_key == []:
-            return str(task._dlock().keys._named({}))  # the name alone: arguments not read
-        return str(task.lock_key_for(args or (), kwargs or {}))
-    builder: KeyBuilder | None = task.__dict__.get("_peer_default_keys")
-    if builder is None:
-        builder = KeyBuilder(task.name, task.run, spec.default, task._unkeyable_fix)
-        task.__dict__["_peer_default_keys"] = builder
-    if spec.default == []:
-        return builder._named({})
-    return builder(*builder.sent(args or (), kwargs or {}, task.serializer))
-
-
-def free_leftover(task: SingletonTask, args: Any, kwargs: Any, task_id: str | None) -> None:
-    """After a run of a class whose own ``__call__`` may not call ``super().__call__()`` (the
-    Flask ``ContextTask`` pattern: ``return self.run(*args, **kwargs)``): free the queued key
-    the message still holds, as the peers' ``on_success``/``after_return`` would. A run that
-    went through our ``__call__`` has already passed that key on and freed it: nothing to do.
-    """
-    if not task_id:
-        return
-    key = task._dlock().keys(args or (), kwargs or {})
-    manager = task._dlock().manager
-    try:
-        holder = manager.holder(key)
-    except LockUnavailable:
-        return  # the key expires by itself (lock_queued_ttl)
-    if holder is not None and holder.holder == task_id and holder.queued:
-        manager.release_token(key, holder.token)
-
-
 def expiry_seconds(name: str, value: Any) -> float:
     """celery-singleton's ``lock_expiry`` in seconds: what redis-py's ``SET ... EX`` takes
     there (an int, a string of digits such as an environment variable, a ``timedelta``), or
@@ -204,56 +115,6 @@ def expiry_seconds(name: str, value: Any) -> float:
     elif isinstance(value, str) and value.isdigit():
         value = int(value)
     return check_seconds(name, value)
-
-
-def held_by_own_id(
-    task: SingletonTask, args: Any, kwargs: Any, options: Mapping[str, Any], task_id: Any
-) -> bool:
-    """Whether a publish with an explicit ``task_id`` (a deterministic id, not a retry's) finds
-    the call's key held by that same id: a message with it is queued or running already.
-
-    The peers refuse it as a duplicate (their key is taken, whoever took it).
-    ``SingletonTask`` takes its own queued lock over (what a retry needs) and would publish a
-    second message with the id, a second run."""
-    if not task_id or options.get("retries"):
-        return False
-    key = task._wire_key(args, kwargs, options.get("serializer"))
-    try:
-        holder = task._dlock().manager.holder(key)
-    except LockUnavailable:
-        return False
-    return holder is not None and holder.holder == task_id
-
-
-def give_back_own(task: SingletonTask, key: str) -> bool:
-    """If the execution running in this thread holds ``key``, give it back (released, not
-    lost: the body goes on) and return True."""
-    lease = task.lease
-    if lease is None or lease.key != key or lease.released:
-        return False
-    lease.give_back()
-    return True
-
-
-def check_argument_names(cls: type, option: str, names: Sequence[str], where: str) -> None:
-    """Refuse argument names the task's function does not take, naming the peer's option
-    (``lock_key`` would be named otherwise, which the user did not write)."""
-    run = cls.__dict__.get("run")
-    if isinstance(run, staticmethod):
-        parameters = list(inspect.signature(run.__func__).parameters.values())
-    elif inspect.isfunction(run):  # a bind=True task's or a class body's method: skip self
-        parameters = list(inspect.signature(run).parameters.values())[1:]
-    else:
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
-    taken = [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-    unknown = [n for n in names if n not in taken]
-    if unknown:
-        raise ConfigError(
-            f"{where}: {option} names {unknown[0]!r}, which the task does not take; its "
-            f"arguments are {', '.join(taken) or 'none'}."
-        )
 
 
 def lock_key_of(unique_on: Any, where: str) -> Any:
@@ -271,7 +132,7 @@ def lock_key_of(unique_on: Any, where: str) -> Any:
     )
 
 
-class Singleton(SingletonTask):
+class Singleton(PeerTask):
     """celery-singleton's ``Singleton``: one queued or running task per name and arguments.
 
     ``.delay()`` takes the key when it publishes; a duplicate publishes nothing and gets the
@@ -280,7 +141,10 @@ class Singleton(SingletonTask):
     retry and crash, and the same call spelled positionally or by keyword is one key.
     """
 
-    lock_on = "enqueue"
+    _key_method = (
+        "generate_lock",
+        lambda method, task, args, kwargs: method(task, task.name, list(args), dict(kwargs)),
+    )
     #: Argument names the key is made of (None: every argument; []: the task name alone).
     unique_on: Any = None
     #: Raise DuplicateTaskError on a duplicate publish; None: ``singleton_raise_on_duplicate``.
@@ -298,8 +162,6 @@ class Singleton(SingletonTask):
     #: A subclass's own ``on_duplicate(existing_task_id)`` method, kept apart from the
     #: ``on_duplicate`` policy option of SingletonTask.
     _duplicate_hook: ClassVar[Callable[[Any, str], Any] | None] = None
-    #: A subclass defines its own ``__call__``: see :func:`free_leftover`.
-    _own_call: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         where = f"task {getattr(cls, 'name', None) or cls.__qualname__!r}"
@@ -323,21 +185,7 @@ class Singleton(SingletonTask):
                 f"{where}: raise_on_duplicate={cls.raise_on_duplicate!r} must be True, False or "
                 "None (None reads the singleton_raise_on_duplicate setting)."
             )
-        if "__call__" in cls.__dict__:
-            cls._own_call = True
-        key_method(
-            cls,
-            "generate_lock",
-            lambda method, task, args, kwargs: method(task, task.name, list(args), dict(kwargs)),
-        )
         super().__init_subclass__(**kwargs)
-
-    def after_return(
-        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
-    ) -> None:
-        super().after_return(status, retval, task_id, args, kwargs, einfo)
-        if self._own_call:
-            free_leftover(self, args, kwargs, task_id)
 
     # -- celery-singleton's settings -----------------------------------------------------------
 
@@ -351,7 +199,7 @@ class Singleton(SingletonTask):
             return bool(self.raise_on_duplicate)
         return bool(self.singleton_config.raise_on_duplicate)
 
-    def _lock_manager(self) -> LockManager:
+    def _lock_manager(self) -> Backend:
         """The nodes of ``dlock_urls`` when set, else celery-singleton's URL (see
         :attr:`SingletonConfig.backend_url`), with the app's other ``dlock_*`` settings."""
         config = self.singleton_config
@@ -428,7 +276,7 @@ class Singleton(SingletonTask):
     def get_existing_task_id(self, lock: str) -> str | None:
         """The id of the task holding ``lock`` (queued or running), or None."""
         holder = self._dlock().manager.holder(lock)
-        return None if holder is None else holder.holder
+        return None if holder is None else holder.task_id
 
     def aquire_lock(self, lock: str, task_id: str) -> bool:
         """Take ``lock`` for ``task_id`` as a queued message would; False if it is held.
@@ -483,7 +331,7 @@ def clear_locks(app: Any) -> list[str]:
     """
     # One scan per lock manager (per set of nodes), not one per task: a project may have
     # hundreds of Singleton tasks.
-    by_manager: dict[int, tuple[LockManager, dict[str, Singleton]]] = {}
+    by_manager: dict[int, tuple[Backend, dict[str, Singleton]]] = {}
     for task in list(app.tasks.values()):
         if isinstance(task, Singleton):
             manager = task._dlock().manager

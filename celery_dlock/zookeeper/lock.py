@@ -57,11 +57,11 @@ from celery_dlock.config import (
     drift,
 )
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.holder import Holder
+from celery_dlock.holder import Holder, LockInfo
 from celery_dlock.lease import Lease, LostCallback
-from celery_dlock.redlock import LockInfo
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
+from celery_dlock.zookeeper.lease import ZkLease
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE, SharedClient, shared
 from celery_dlock.zookeeper.url import DEFAULT_TIMEOUT, ZkUrl, parse
 
@@ -107,8 +107,8 @@ def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
     try:
         data = json.loads(raw or b"")
         return Holder(
-            token=str(data["token"]),
-            holder=None if data.get("holder") is None else str(data["holder"]),
+            nonce=str(data["token"]),
+            task_id=None if data.get("holder") is None else str(data["holder"]),
             host=str(data.get("host", "?")),
             pid=int(data.get("pid", 0)),
             since=float(data.get("since", 0)) / 1000.0,
@@ -118,78 +118,6 @@ def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
         )
     except (ValueError, KeyError, TypeError):
         return None
-
-
-class ZkLease(Lease):
-    """A :class:`Lease` whose validity follows the ZooKeeper session.
-
-    A reply to a request sent at ``S`` proves the servers heard from the session at or after
-    ``S``, so the session cannot expire there before ``S + session timeout``: the lease is
-    valid until then, minus the drift allowance, counted from before the acquisition's create.
-    The watchdog "renews" it every third of the session timeout with one ``exists`` on its node
-    (all of a batch sent together), which moves that bound on and also finds a node someone
-    deleted. So a process paused past the session timeout wakes up with its lease already
-    invalid, as on Redis. A suspended connection cuts the validity further (see
-    :mod:`celery_dlock.zookeeper.session`); the same session coming back lifts the cut.
-    """
-
-    def __init__(self, backend: ZooKeeperBackend, path: str, **kwargs: Any) -> None:
-        # Lease's first parameter is typed LockManager on this tree; it asks only for
-        # release() and renew(), which ZooKeeperBackend offers.
-        manager: Any = backend
-        super().__init__(manager, **kwargs)
-        #: The lease's lock node (full path).
-        self.path = path
-        self.pid = forks.pid()
-        #: Validity proven by the session's last answered request (see the class docstring).
-        self.session_until = self.deadline
-        #: Where max_hold ends validity (infinite without max_hold).
-        self.bound = math.inf if self.max_hold is None else self.acquired_at + self.max_hold
-        #: The cut of a suspended connection, or None while connected.
-        self.suspended_until: float | None = None
-        self._settle()
-
-    def _settle(self) -> None:
-        cut = math.inf if self.suspended_until is None else self.suspended_until
-        self._deadline = min(self.session_until, self.bound, cut)
-
-    def renewed(self, started: float, deadline: float) -> None:
-        self.session_until = max(self.session_until, deadline)
-        self.renewals += 1
-        if self.renew_interval is not None:
-            self.next_renewal = started + self.renew_interval
-        self._settle()
-
-    def suspend(self, until: float) -> None:
-        """The connection is gone: valid until ``until`` at most (see the session module)."""
-        if self.released or self._lost is not None:
-            return
-        self.suspended_until = until
-        self._settle()
-        watchdog.add(self)  # wakes the watchdog if the cut comes before its next look
-
-    def resume(self) -> None:
-        """The same session is back: lift the cut (unless it already ran out)."""
-        if self.released or self._lost is not None or self.suspended_until is None:
-            return
-        if time.monotonic() >= self._deadline:
-            self.notice_expiry()
-            return
-        self.suspended_until = None
-        self._settle()
-
-    def _expiry_reason(self) -> str:
-        if self.max_hold is not None and self._deadline >= self.bound:
-            return f"held for its max_hold of {self.max_hold:g} s; no longer renewed"
-        if self.suspended_until is not None and self._deadline >= self.suspended_until:
-            return (
-                "the connection to ZooKeeper was lost for longer than the session can be "
-                "trusted to outlive it (the lock node may be gone)"
-            )
-        return (
-            "no ZooKeeper server answered for longer than the session timeout allows "
-            "(process paused, or the ensemble unreachable): the session may have expired"
-        )
 
 
 class _Guard:
@@ -322,8 +250,6 @@ class ZooKeeperBackend:
         self.ttl = check_ttl("dlock_ttl", ttl, drift_factor)
         self.drift_factor = drift_factor
         self.base = f"{self.url.chroot}/{prefix}"
-        #: No Redis nodes: the watchdog's failover hurry (renewal.Watchdog.hurry) finds none.
-        self.nodes: list[Any] = []
         self.settings = ZkSettings(
             (self.url.shown,), self.ttl, prefix, self.url.timeout, drift_factor
         )
@@ -846,18 +772,22 @@ class ZooKeeperBackend:
         """Delete ``holder``'s node: its watch tells the holder its lease is lost, and the
         next waiter is admitted."""
         key = check_key(key)
-        released = self._delete_if(key, lambda name, h: name.startswith(f"{holder.token}-"))
+        released = self._delete_if(key, lambda name, h: name.startswith(f"{holder.nonce}-"))
         if released:
             log.warning("forced release of key=%s held by %s", key, holder.describe())
         return released
 
-    def release_token(self, key: str, token: str) -> bool:
-        """Delete ``key``'s node if the acquisition with nonce ``token`` holds it."""
-        return self._delete_if(check_key(key), lambda name, h: name.startswith(f"{token}-"))
+    def release_nonce(self, key: str, nonce: str) -> bool:
+        """Delete ``key``'s node if the acquisition with ``nonce`` holds it."""
+        return self._delete_if(check_key(key), lambda name, h: name.startswith(f"{nonce}-"))
 
-    def release_by_holder(self, key: str, holder: str) -> bool:
-        """Delete ``key``'s node if task ``holder`` holds it, whichever acquisition."""
-        return self._delete_if(check_key(key), lambda name, h: h.holder == holder)
+    def release_by_task(self, key: str, task_id: str) -> bool:
+        """Delete ``key``'s node if task ``task_id`` holds it, whichever acquisition."""
+        return self._delete_if(check_key(key), lambda name, h: h.task_id == task_id)
+
+    #: Older names (the Redis backend keeps them too).
+    release_token = release_nonce
+    release_by_holder = release_by_task
 
     def send_queued(self, key: str, ttl: float, *, holder: str, sender: Any = None) -> None:
         """None: a queued lock is not sent ahead on ZooKeeper (see :meth:`hand_over`)."""

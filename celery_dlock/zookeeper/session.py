@@ -54,7 +54,7 @@ from celery_dlock.renewal import watchdog
 from celery_dlock.zookeeper.url import ZkUrl
 
 if TYPE_CHECKING:
-    from celery_dlock.zookeeper.lock import ZkLease
+    from celery_dlock.zookeeper.lease import ZkLease
 
 log = logging.getLogger("celery_dlock.zookeeper")
 

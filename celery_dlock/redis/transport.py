@@ -10,13 +10,12 @@ Connections are redis-py ``Connection`` objects built from the node's pool setti
 options, TLS, authentication and the hiredis parser work as in redis-py. Scripts are redis-py
 ``Script`` objects registered on each node's client; their SHA is what we send.
 
-A Redis Cluster is one node (:class:`ClusterNode`) whose calls are routed by the hash slot of
-their keys to the master that owns it (a :class:`Shard`, reached the same way as a plain node).
+The nodes and their connections are :mod:`celery_dlock.redis.nodes`; a Redis Cluster
+(:mod:`celery_dlock.redis.cluster`) routes each call to one of its masters, then uses this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
@@ -25,27 +24,33 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, cast
 
-import redis
 from redis.commands.core import Script
-from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
-    ClusterDownError,
-    MovedError,
     NoScriptError,
-    RedisClusterException,
     RedisError,
     ResponseError,
-    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_dlock import diagnose, endpoints, forks, scripts
+from celery_dlock.background import ProcessPool
+from celery_dlock.redis.nodes import (
+    Cluster,
+    Connection,
+    ConnState,
+    MasterSwitched,
+    Node,
+    Reply,
+    connect,
+    is_connected,
+    orphans,
+    reconnect,
+)
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:  # redis-py's own serializer wraps this C packer in Python that costs more than it does
@@ -57,256 +62,6 @@ except ImportError:  # pragma: no cover - hiredis is optional (the "fast" extra)
 
 log = logging.getLogger("celery_dlock.transport")
 
-#: A node's answer: the script's reply, or the exception that stood in for it.
-Reply = Any
-#: A redis-py ``Connection``; typed loosely because redis-py leaves most of its methods untyped.
-Connection = Any
-
-
-class Node:
-    """One Redis master: a redis-py client, its scripts, and one connection per thread.
-
-    Also the base of :class:`ClusterNode` (a whole Redis Cluster as one lock node), which
-    routes each call to a :class:`Shard`, itself a ``Node`` for one master of the cluster.
-    """
-
-    #: True for a :class:`ClusterNode`: calls must be routed by the hash slot of their keys.
-    cluster = False
-    #: The cluster a :class:`Shard` belongs to (None for a plain node).
-    owner: ClusterNode | None = None
-    #: True for a :class:`SentinelNode`: its master can change under open connections.
-    watched = False
-
-    def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
-        self.url = url
-        self.prefix = prefix  # the keys' prefix, for error messages about ACL key patterns
-        self.endpoint = endpoints.parse(url)
-        self._setup(self.endpoint.shown, timeout, self.endpoint.client(timeout))
-
-    def _setup(self, shown: str, timeout: float, client: redis.Redis) -> None:
-        self.shown = shown
-        self.timeout = timeout
-        self.client = client
-        self.scripts: dict[str, Script] = {
-            name: client.register_script(source) for name, source in scripts.ALL.items()
-        }
-        self._local = threading.local()
-        self._pid = forks.pid()
-        self._down_until = 0.0
-
-    @property
-    def down(self) -> bool:
-        """True for a while after the node failed to answer (see :meth:`mark_down`)."""
-        return self._down_until > time.monotonic()
-
-    def mark_down(self) -> None:
-        """Skip this node for a short cool-down after a timeout or connection failure.
-
-        With several nodes, a hung one would otherwise cost every call (and the renewal
-        watchdog) a timeout or a new connection attempt. Skipping it only ever counts it as
-        failed, which is never less safe; one call tries it again after the cool-down, and a
-        call that could not reach a majority without it tries it at once (see
-        :func:`run_script`).
-        """
-        self._down_until = time.monotonic() + max(0.5, 2 * self.timeout)
-
-    def __repr__(self) -> str:
-        return f"<Node {self.shown}>"
-
-    def _new_connection(self) -> Connection:
-        pool = self.client.connection_pool
-        conn: Connection = pool.connection_class(**pool.connection_kwargs)
-        return conn
-
-    def connection(self, purpose: str = "cmd") -> Connection:
-        """This thread's connection for ``purpose`` ("cmd", or "wait" for blocking pops)."""
-        if self._pid != forks.pid():
-            # A forked child must not share the parent's sockets: start afresh.
-            self._local = threading.local()
-            self._pid = forks.pid()
-        conns: _ThreadConnections | None = getattr(self._local, "conns", None)
-        if conns is None:
-            conns = self._local.conns = _ThreadConnections()
-        conn = conns.get(purpose)
-        if conn is None:
-            conn = conns[purpose] = self._new_connection()
-        return conn
-
-    def drop_connection(self, purpose: str = "cmd") -> None:
-        """Forget this thread's connection for ``purpose``; a new one is made on next use."""
-        conns: _ThreadConnections | None = getattr(self._local, "conns", None)
-        if conns is not None:
-            conns.pop(purpose, None)
-
-    def close(self) -> None:
-        """Close this thread's connections and the client's pool."""
-        self._close_connections()
-        self.client.close()
-
-    def _close_connections(self) -> None:
-        conns: _ThreadConnections | None = getattr(self._local, "conns", None)
-        if conns is not None:
-            conns.close()
-
-    def route(self, key: str) -> Node:
-        """The node that holds ``key``: this one (a :class:`ClusterNode` picks its shard)."""
-        return self
-
-    def switched(self, conn: Connection) -> bool:
-        """True if ``conn`` reaches a server its sentinels no longer call master."""
-        return False
-
-    def overtaken(self, conn: Connection) -> bool:
-        """True if the sentinels name ``conn``'s server master under a newer configuration
-        than the master this process heard announced (:class:`SentinelNode`)."""
-        return False
-
-
-#: Hear Sentinel's ``+switch-master`` announcements (:mod:`celery_dlock.failover`); tests turn
-#: it off to show what the other failover signals (``READONLY``, closed connections) do alone.
-HEAR_SWITCHES = True
-#: Called with a :class:`SentinelNode` when its sentinels announce a new master (the renewal
-#: watchdog renews that node's leases at once).
-switch_hooks: list[Callable[[Node], None]] = []
-
-
-class SentinelNode(Node):
-    """The master of a Sentinel-managed group, which can change while connections are open.
-
-    Each process listens for the sentinels' ``+switch-master`` announcements
-    (:class:`celery_dlock.failover.SwitchWatch`). Once one names a new master, a connection to
-    any other address is dropped before its next command and opened again through the
-    sentinels; one that the sentinels still send elsewhere (a sentinel lagging behind the
-    announcement) fails, unsent, rather than act on the old master, unless a sentinel names
-    that master under a newer configuration epoch than the announcement's (a failover this
-    process did not hear: :meth:`overtaken`). A script refused with
-    ``READONLY`` (a master demoted by ``REPLICAOF`` keeps its clients) also drops the
-    connection and asks the sentinels again (:func:`run_script`).
-    """
-
-    watched = True
-
-    def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
-        super().__init__(url, timeout, prefix)
-        self.service = self.endpoint.service
-        #: The master address last announced by a sentinel, with the configuration epoch the
-        #: announcing sentinel gave for it (None if it could not be asked); None until one is.
-        self._announcement: tuple[tuple[str, int], int | None] | None = None
-        self._watch: Any = None
-        self._watch_pid = 0
-
-    def __repr__(self) -> str:
-        return f"<SentinelNode {self.shown}>"
-
-    def connection(self, purpose: str = "cmd") -> Connection:
-        if self._watch_pid != forks.pid():
-            self._start_watch()
-        return super().connection(purpose)
-
-    def _start_watch(self) -> None:
-        from celery_dlock.failover import SwitchWatch
-
-        with _watch_lock:
-            if self._watch_pid == forks.pid():
-                return
-            self._watch_pid = forks.pid()
-            if HEAR_SWITCHES:
-                manager = cast(Any, self.client.connection_pool).sentinel_manager
-                self._watch = SwitchWatch(self, manager)
-
-    @property
-    def announced(self) -> tuple[str, int] | None:
-        """The master address last announced by a sentinel; None until one is."""
-        announcement = self._announcement
-        return announcement[0] if announcement is not None else None
-
-    def switched_to(self, address: tuple[str, int], epoch: int | None = None) -> None:
-        """A sentinel announced ``address`` as the master (:mod:`celery_dlock.failover`), under
-        configuration epoch ``epoch`` (None: unknown). An announcement older than the one
-        heard before (a lower epoch, from a sentinel that lags) is ignored."""
-        before = self._announcement
-        if before is not None:
-            known = before[1]
-            if epoch is not None and known is not None and epoch < known:
-                log.info(
-                    "%s: a sentinel announced %s:%d under an older configuration (epoch %d < "
-                    "%d); ignored",
-                    self.shown,
-                    *address,
-                    epoch,
-                    known,
-                )
-                return
-            if address == before[0]:  # every sentinel announces the same switch
-                if epoch is not None and (known is None or epoch > known):
-                    self._announcement = (address, epoch)
-                return
-        self._announcement = (address, epoch)
-        log.warning(
-            "%s: the sentinels announced a new master, %s:%d; connections to any other "
-            "address are dropped before their next command",
-            self.shown,
-            *address,
-        )
-        self._switched()
-
-    def overtaken(self, conn: Connection) -> bool:
-        from celery_dlock.failover import newer_master
-
-        announcement = self._announcement
-        if announcement is None:
-            return True
-        manager = cast(Any, self.client.connection_pool).sentinel_manager
-        address = (conn.host, conn.port)
-        epoch = newer_master(manager, self.service, announcement, address)
-        if epoch is None:
-            return False
-        self._announcement = (address, epoch)
-        log.warning(
-            "%s: the sentinels now name %s:%d master under a newer configuration (epoch %d) "
-            "than %s:%d, the master last announced here: an announcement was missed "
-            "(not yet subscribed, or the subscriptions were down); following them",
-            self.shown,
-            *address,
-            epoch,
-            *announcement[0],
-        )
-        self._switched()
-        return True
-
-    def _switched(self) -> None:
-        for hook in switch_hooks:
-            try:
-                hook(self)
-            except Exception:
-                log.exception("switch hook %r failed", hook)
-
-    def switched(self, conn: Connection) -> bool:
-        announced = self.announced
-        return (
-            announced is not None
-            and getattr(conn, "_sock", None) is not None
-            and (conn.host, conn.port) != announced
-        )
-
-    def close(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
-            self._watch_pid = 0
-        super().close()
-
-
-_watch_lock = threading.Lock()
-
-
-class MasterSwitched(RedisConnectionError):
-    """A Sentinel node's connection reached a server its sentinels no longer call master (a
-    sentinel behind the announcement named it again, or it answered ``READONLY``): nothing
-    was sent there."""
-
-    dlock_unsent = True
-
 
 def _demoted(reply: Reply) -> bool:
     """True for a reply that says the server is no longer a master: redis-py's own conversion
@@ -314,22 +69,6 @@ def _demoted(reply: Reply) -> bool:
     if isinstance(reply, ResponseError):
         return "READONLY" in str(reply)
     return isinstance(reply, RedisConnectionError) and "now a slave" in str(reply)
-
-
-def _connect(node: Node, conn: Connection) -> None:
-    """``conn.connect()``, refusing a Sentinel node's connection to a master since replaced."""
-    conn.connect()
-    if node.watched and node.switched(conn) and not node.overtaken(conn):
-        conn.disconnect()
-        raise MasterSwitched(
-            f"{node.shown}: a sentinel still names {conn.host}:{conn.port}, but another "
-            "master was announced; not sending there"
-        )
-
-
-def _reconnect(node: Node, conn: Connection) -> None:
-    conn.disconnect()
-    _connect(node, conn)
 
 
 class CoolingDown(RedisConnectionError):
@@ -344,251 +83,11 @@ def unsent(reply: Reply) -> bool:
     return bool(getattr(reply, "dlock_unsent", False))
 
 
-def node_for(url: str, timeout: float, prefix: str = "dlock") -> Node:
-    """The lock node for one ``dlock_urls`` entry: a :class:`ClusterNode` for a Cluster URL."""
-    kind = endpoints.parse(url).kind
-    if kind == "cluster":
-        return ClusterNode(url, timeout, prefix)
-    if kind == "sentinel":
-        return SentinelNode(url, timeout, prefix)
-    return Node(url, timeout, prefix)
-
-
-#: Redirections (MOVED, ASK) and TRYAGAIN retries one Cluster call follows before giving up.
-CLUSTER_REDIRECTS = 5
-#: Pause before retrying a TRYAGAIN (keys of one slot split by a migration in progress).
-TRYAGAIN_PAUSE = 0.01
-
-
-class ClusterNode(Node):
-    """A whole Redis Cluster as one lock node: each call goes to the master of its keys' slot.
-
-    Every key one lock touches carries the hash tag ``{key}`` (``LockManager.redis_keys``), so
-    each call names keys of a single slot. redis-py's ``RedisCluster`` keeps the slot map; it
-    is made on first use (it connects). Each master is a :class:`Shard`, reached over the same
-    per-thread connections as a plain node, so a routed call costs what a plain one does.
-
-    MOVED reloads the slot map and sends the call again; ASK sends it once to the importing
-    master after ``ASKING``; TRYAGAIN (a slot half migrated) is retried briefly. Any other
-    failure (a dead master, CLUSTERDOWN) is the call's reply, and the slot map is reloaded
-    before the next call, which finds the master a failover promoted.
-    """
-
-    cluster = True
-
-    def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
-        # No Node.__init__: a cluster has no one client.
-        self.url = url
-        self.prefix = prefix
-        self.endpoint = endpoints.parse(url)
-        self.shown = self.endpoint.shown
-        self.timeout = timeout
-        self._down_until = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pid = forks.pid()
-        self._guard = threading.Lock()
-        self._cluster: Any = None  # redis.cluster.RedisCluster, made on first use
-        self._shards: dict[str, Shard] = {}
-        self._reload = False
-
-    def __repr__(self) -> str:
-        return f"<ClusterNode {self.shown}>"
-
-    def cluster_client(self) -> Any:
-        """redis-py's ``RedisCluster`` for this node; ``ConnectionError`` if none answers."""
-        if self._pid != forks.pid():
-            self._reset()  # a forked child makes its own client, sockets and locks
-        client = self._cluster
-        if client is None:
-            with self._guard:
-                if self._cluster is None:
-                    try:
-                        self._cluster = self.endpoint.client(self.timeout)
-                    except (RedisError, RedisClusterException, OSError) as exc:
-                        refused = diagnose.refusal(exc)
-                        if isinstance(refused, RedisError):  # an ACL user lacks a grant
-                            raise refused from exc
-                        raise RedisConnectionError(f"cannot reach the cluster: {exc}") from exc
-                client = self._cluster
-        return client
-
-    def reload_later(self) -> None:
-        """Reload the slot map before the next call (after MOVED or a failed master)."""
-        self._reload = True
-
-    def route(self, key: str) -> Shard:
-        """The master that owns ``key``'s hash slot; ``RedisError`` when none does."""
-        client = self.cluster_client()
-        if self._reload:
-            self._reload = False
-            try:
-                client.nodes_manager.initialize()
-            except (RedisError, RedisClusterException, OSError) as exc:
-                self._reload = True
-                raise RedisConnectionError(
-                    f"cannot reload the slots of {self.shown}: {exc}"
-                ) from exc
-        try:
-            master = client.nodes_manager.get_node_from_slot(key_slot(key.encode()))
-        except (RedisClusterException, KeyError, IndexError) as exc:
-            self._reload = True
-            raise ClusterDownError(
-                f"{self.shown}: no master serves the slot of {key!r}: {exc}"
-            ) from exc
-        return self._shard(client, master)
-
-    def _shard(self, client: Any, master: Any) -> Shard:
-        shard = self._shards.get(master.name)
-        if shard is None:
-            with self._guard:
-                shard = self._shards.get(master.name)
-                if shard is None:
-                    redis_client = client.get_redis_connection(master)
-                    shard = self._shards[master.name] = Shard(self, master.name, redis_client)
-        return shard
-
-    def run(self, name: str, keys: Sequence[str], args: Sequence[Any], timeout: float) -> Reply:
-        """Run script ``name`` on the master of ``keys``' slot: its reply, or an exception."""
-        deadline = time.monotonic() + timeout
-        reply: Reply = None
-        for _ in range(CLUSTER_REDIRECTS):
-            left = deadline - time.monotonic()
-            try:
-                shard = self.route(keys[0])
-            except RedisError as exc:
-                return exc
-            reply = run_script([shard], name, keys, args, max(left, 0.001))[0]
-            if isinstance(reply, AskError) and not isinstance(reply, MovedError):
-                reply = self._ask(reply, name, keys, args)
-            if isinstance(reply, AskError):  # MOVED, or MOVED back from the importing master
-                self.reload_later()
-            elif isinstance(reply, TryAgainError):
-                time.sleep(max(0.0, min(TRYAGAIN_PAUSE, deadline - time.monotonic())))
-            else:
-                if isinstance(reply, RedisConnectionError | RedisTimeoutError | ClusterDownError):
-                    self.reload_later()
-                return reply
-            if time.monotonic() >= deadline:
-                break
-        return reply
-
-    def _ask(self, asked: AskError, name: str, keys: Sequence[str], args: Sequence[Any]) -> Reply:
-        """Send the call once to the master importing the slot, after ``ASKING``.
-
-        Sent as source (``EVAL``): a retry after NOSCRIPT would lack the ``ASKING``. Blocks up
-        to the socket timeout: this happens only while an operator migrates the slot.
-        """
-        try:
-            client = self.cluster_client()
-            master = client.get_node(host=asked.host, port=asked.port)
-        except RedisError as exc:
-            return exc
-        if master is None:  # a master the slot map does not know yet
-            self.reload_later()
-            return asked
-        shard = self._shard(client, master)
-        conn = shard.connection()
-        try:
-            if not is_connected(conn):
-                conn.connect()
-            _drain(shard, conn)
-            source = shard.scripts[name].script
-            commands = [("ASKING",), ("EVAL", source, len(keys), *keys, *args)]
-            conn.send_packed_command(conn.pack_commands(commands), check_health=False)
-            asking = _read(conn)
-            reply = _read(conn)
-        except (RedisError, OSError) as exc:
-            conn.disconnect()
-            return exc
-        except BaseException:
-            conn.disconnect()
-            raise
-        return asking if isinstance(asking, BaseException) else reply
-
-    def close(self) -> None:
-        """Close this thread's connections to every master and the cluster client."""
-        for shard in list(self._shards.values()):
-            shard.close()
-        if self._cluster is not None:
-            self._cluster.close()
-
-
-class Shard(Node):
-    """One master of a Redis Cluster, reached like a plain node (see :class:`ClusterNode`)."""
-
-    def __init__(self, owner: ClusterNode, name: str, client: redis.Redis) -> None:
-        self.url = owner.url
-        self.prefix = owner.prefix
-        self.endpoint = owner.endpoint
-        self.owner = owner
-        self._setup(f"{owner.shown} (master {name})", owner.timeout, client)
-
-    def __repr__(self) -> str:
-        return f"<Shard {self.shown}>"
-
-    def close(self) -> None:
-        """Close this thread's connections; the cluster client owns the master's pool."""
-        self._close_connections()
-
-
-class _ThreadConnections(dict[str, Connection]):
-    """One thread's connections to one node, closed when the thread ends.
-
-    A thread's ``threading.local`` data is dropped by reference counting when the thread
-    exits, so ``__del__`` runs then; redis-py connections themselves sit in reference cycles
-    and would otherwise wait for the cycle collector, leaking their sockets until it runs.
-    """
-
-    def close(self) -> None:
-        for conn in self.values():
-            conn.disconnect()
-            sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
-            if sent:  # nobody will confirm these now: the janitor sends them again
-                with contextlib.suppress(Exception):  # at interpreter exit, modules go first
-                    _orphans.extend((conn._dlock_node, entry[0]) for entry in sent)
-                sent.clear()
-        self.clear()
-
-    def __del__(self) -> None:
-        self.close()
-
-
-def is_connected(conn: Connection) -> bool:
-    return getattr(conn, "_sock", None) is not None
-
-
-class _ProcessPool:
-    """A small persistent thread pool, made on first use and again after fork."""
-
-    def __init__(self, name: str, workers: int) -> None:
-        self._name = name
-        self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = forks.pid()
-        self._lock = threading.Lock()
-
-    def get(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pid != forks.pid():
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._name)
-                self._pid = forks.pid()
-            return self._pool
-
-
 #: Opens several connections in parallel, so that nodes which accept TCP but never answer
 #: delay a call by one timeout, not one per node. Only ever runs ``connect()``, never waits on
 #: itself, so it cannot deadlock; its threads start on demand, and there are enough that one
 #: caller's connects (the watchdog's) do not queue behind many others'.
-_connector = _ProcessPool("dlock-connect", 64)
-#: Runs one-shot cleanup (releasing what a lost lease may still hold) off the caller's thread.
-_background = _ProcessPool("dlock-background", 4)
-
-
-def background(fn: Any, *args: Any) -> None:
-    """Run ``fn(*args)`` on a small background thread pool, not waiting for it."""
-    _background.get().submit(fn, *args)
+_connector = ProcessPool("dlock-connect", 64)
 
 
 def _connect_all(
@@ -602,14 +101,14 @@ def _connect_all(
     if len(todo) == 1:
         i = todo[0]
         try:
-            _connect(nodes[i], conns[i])
+            connect(nodes[i], conns[i])
         except (RedisError, OSError) as exc:
             exc.dlock_unsent = True  # type: ignore[union-attr]
             replies[i] = exc
         return
     pool = _connector.get()
     begun = time.monotonic()
-    futures = {i: pool.submit(_connect, nodes[i], conns[i]) for i in todo}
+    futures = {i: pool.submit(connect, nodes[i], conns[i]) for i in todo}
     for i, future in futures.items():
         try:
             failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
@@ -646,12 +145,15 @@ def _stale(conn: Connection) -> bool:
     try:
         # One poll object per socket, kept on the connection: making one per call cost
         # more than the poll itself, on every acquire and every release.
-        cached: tuple[Any, Any] | None = getattr(conn, "_dlock_poll", None)
-        if cached is None or cached[0] is not sock:
+        state: ConnState = conn._dlock
+        if state.sock is not sock:
+            state.on(sock)
+        poller = state.poll
+        if poller is None:
             poller = select.poll()
             poller.register(sock, select.POLLIN)
-            cached = conn._dlock_poll = (sock, poller)
-        return bool(cached[1].poll(0))
+            state.poll = poller
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 
@@ -671,7 +173,7 @@ def run_script(
     (restart, ``SCRIPT FLUSH``) get its source in a second round, again all at once.
     """
     if nodes and nodes[0].cluster:  # a Cluster is always the only node (config.check_urls)
-        return [cast(ClusterNode, nodes[0]).run(name, keys, args, timeout)]
+        return [cast(Cluster, nodes[0]).run(name, keys, args, timeout)]
     conns = [node.connection() for node in nodes]
     replies: list[Reply] = [_PENDING] * len(nodes)
     several = len(nodes) > 1
@@ -819,7 +321,7 @@ _Sent = tuple[Resend, Any, float]
 #: Seconds a reply-less command may stay unconfirmed (its thread not using that connection
 #: again) before the janitor sends it once more on its own connection.
 CONFIRM_GRACE = 1.0
-#: Wakes the janitor (set by :mod:`celery_dlock.janitor`, which imports this module).
+#: Wakes the janitor (set by :mod:`celery_dlock.redis.janitor`, which imports this module).
 sweeper: Callable[[], None] | None = None
 #: Connections that have carried a tracked command, for the janitor to look at; each is
 #: registered once, so the release path takes no lock.
@@ -827,17 +329,15 @@ _tracked: weakref.WeakSet[Connection] = weakref.WeakSet()
 _tracked_lock = threading.Lock()
 #: True once any connection of this process has carried a tracked command.
 _any_tracked = False
-#: Unconfirmed commands of connections closed with their thread, for the janitor.
-_orphans: list[tuple[Node, Resend]] = []
 
 
 def _track(node: Node, conn: Connection, resend: Resend) -> None:
     """Keep ``resend`` on ``conn`` until a reply read there confirms it (see :func:`_settle`)."""
     global _any_tracked
-    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    state: ConnState = conn._dlock
+    sent: list[_Sent] | None = state.sent
     if sent is None:
-        sent = conn._dlock_sent = []
-        conn._dlock_node = node
+        sent = state.sent = []
         with _tracked_lock:
             _tracked.add(conn)
         _any_tracked = True
@@ -852,12 +352,13 @@ def overdue(now: float) -> list[tuple[Node, Resend]]:
     with _tracked_lock:
         conns = list(_tracked)
     out: list[tuple[Node, Resend]] = []
-    while _orphans:
-        orphan = _orphans.pop()
+    while orphans:
+        orphan: tuple[Node, Resend] = orphans.pop()
         if orphan[1][3] > now:
             out.append(orphan)
     for conn in conns:
-        sent: list[_Sent] = conn._dlock_sent
+        state: ConnState = conn._dlock
+        sent: list[_Sent] | None = state.sent
         while sent:
             try:
                 entry = sent[0]
@@ -867,7 +368,7 @@ def overdue(now: float) -> list[tuple[Node, Resend]]:
             except (IndexError, ValueError):
                 break
             if entry[0][3] > now:
-                out.append((conn._dlock_node, entry[0]))
+                out.append((state.node, entry[0]))
     return out
 
 
@@ -878,12 +379,10 @@ def tracking() -> bool:
 
 def _after_fork() -> None:
     """The parent's connections and their unconfirmed commands are the parent's."""
-    global _tracked, _tracked_lock, _any_tracked, _watch_lock
+    global _tracked, _tracked_lock, _any_tracked
     _tracked = weakref.WeakSet()
     _tracked_lock = threading.Lock()
-    _watch_lock = threading.Lock()  # another thread may have held it at the fork
     _any_tracked = False
-    _orphans.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -891,7 +390,7 @@ os.register_at_fork(after_in_child=_after_fork)
 
 def _settle(conn: Connection) -> None:
     """A reply was read on ``conn``: every tracked command sent before it arrived."""
-    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    sent: list[_Sent] | None = conn._dlock.sent
     if sent:
         sent.clear()
 
@@ -901,12 +400,13 @@ def _prepare(node: Node, conn: Connection) -> None:
     server (a zero-timeout poll, no round trip), and what may have been lost with an earlier
     socket sent again ahead of the command."""
     if not is_connected(conn):
-        _connect(node, conn)
-    if getattr(conn, "_dlock_owed", None):
+        connect(node, conn)
+    state: ConnState = conn._dlock
+    if state.owed:
         _drain(node, conn)
     if _stale(conn) or (node.watched and node.switched(conn)):
-        _reconnect(node, conn)
-    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+        reconnect(node, conn)
+    sent: list[_Sent] | None = state.sent
     if sent and sent[0][1] is not conn._sock:
         _resend_lost(node, conn)
 
@@ -914,7 +414,7 @@ def _prepare(node: Node, conn: Connection) -> None:
 def _resend_lost(node: Node, conn: Connection) -> None:
     """Send again, ahead of the next command, the tracked commands whose socket died before
     a reply on it confirmed them; their replies are read before the command's."""
-    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    sent: list[_Sent] | None = conn._dlock.sent
     if not sent or sent[0][1] is conn._sock:
         return
     lost = [entry for entry in sent if entry[1] is not conn._sock]
@@ -974,7 +474,7 @@ def _send_unanswered(
         command = packed[None] = _SKIP_REPLY + b"".join(script)
     if able is None:  # not yet known on this socket: ask, and read the answer later
         conn.send_packed_command([command + _PROBE_COMMAND], check_health=False)
-        conn._dlock_skip = (conn._sock, False)  # until the probe's reply says otherwise
+        conn._dlock.on(conn._sock).skip = False  # until the probe's reply says otherwise
         _owed(conn).append(_Owed(_PROBE, (), ()))
     else:
         conn.send_packed_command([command], check_health=False)
@@ -983,10 +483,11 @@ def _send_unanswered(
 
 def _skippable(conn: Connection) -> bool | None:
     """Whether this connection's server honours ``CLIENT REPLY SKIP``; None: not asked yet."""
-    state: tuple[Any, bool] | None = getattr(conn, "_dlock_skip", None)
-    if state is None or state[0] is not conn._sock:  # a new socket: ask again
-        return None
-    return state[1]
+    state: ConnState = conn._dlock
+    sock = conn._sock
+    if state.sock is not sock:  # a new socket: ask again
+        state.on(sock)
+    return state.skip
 
 
 def _read_probe(conn: Connection) -> None:
@@ -1003,7 +504,7 @@ def _read_probe(conn: Connection) -> None:
         if reply in _PROBE_REPLIES:
             break
         worked = False
-    conn._dlock_skip = (conn._sock, worked)
+    conn._dlock.on(conn._sock).skip = worked
     if not worked:
         log.info("CLIENT REPLY SKIP is refused on this connection; releases await replies")
 
@@ -1111,17 +612,15 @@ def _pack(conn: Connection, command: tuple[Any, ...]) -> Any:
 
 def _known(conn: Connection) -> set[str]:
     """Scripts this connection's server has run since it connected: safe to send by SHA."""
+    state: ConnState = conn._dlock
     sock = getattr(conn, "_sock", None)
-    known: tuple[Any, set[str]] | None = getattr(conn, "_dlock_known", None)
-    if known is None or known[0] is not sock:  # a new socket: maybe a restarted server
-        known = conn._dlock_known = (sock, set())
-    return known[1]
+    if state.sock is not sock:  # a new socket: maybe a restarted server
+        state.on(sock)
+    return state.known
 
 
 def _owed(conn: Connection) -> list[_Owed]:
-    owed: list[_Owed] | None = getattr(conn, "_dlock_owed", None)
-    if owed is None:
-        owed = conn._dlock_owed = []
+    owed: list[_Owed] = conn._dlock.owed
     return owed
 
 
@@ -1199,8 +698,9 @@ def _read_owed(node: Node, conn: Connection, entry: _Owed) -> Reply:
     except AskError:  # a Cluster slot moved since the send (MOVED is an AskError)
         if node.owner is None:
             raise
-        node.owner.reload_later()
-        return node.owner.run(entry.name, entry.keys, entry.args, node.timeout)
+        cluster = cast(Cluster, node.owner)
+        cluster.reload_later()
+        return cluster.run(entry.name, entry.keys, entry.args, node.timeout)
     except ResponseError as exc:
         if node.watched and _demoted(exc):
             return exc  # a replica now: _drain has it sent again elsewhere
@@ -1246,9 +746,9 @@ def _exchange(
                     # Readable before we asked: the server closed the connection (restart,
                     # idle timeout). Or the sentinels announced another master. Reconnect
                     # rather than fail this call.
-                    _reconnect(nodes[i], conn)
+                    reconnect(nodes[i], conn)
                 if tracked:
-                    sent = getattr(conn, "_dlock_sent", None)
+                    sent = conn._dlock.sent
                     if sent and sent[0][1] is not conn._sock:
                         _resend_lost(nodes[i], conn)
                 conn.send_packed_command(packed, check_health=False)
@@ -1295,7 +795,8 @@ def _reply(node: Node, conn: Connection) -> Reply:
     """The reply to the command just sent on ``conn`` (after any sent again ahead of it), or
     the exception that stands in for it. A reply read confirms the reply-less commands sent
     before it on this socket."""
-    refused = bool(getattr(conn, "_dlock_owed", None)) and _drain(node, conn, more=True)
+    state: ConnState = conn._dlock
+    refused = bool(state.owed) and _drain(node, conn, more=True)
     try:
         reply = conn.read_response()
     except ResponseError as exc:  # an error reply is still a reply
@@ -1310,7 +811,7 @@ def _reply(node: Node, conn: Connection) -> Reply:
     if refused:  # a replica refused what went before: nothing is confirmed (see _drain)
         conn.disconnect()
         return reply
-    sent: list[_Sent] | None = getattr(conn, "_dlock_sent", None)
+    sent: list[_Sent] | None = state.sent
     if sent:
         sent.clear()  # confirmed (see _settle)
     return reply
@@ -1368,7 +869,7 @@ def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
     except BaseException as exc:
         conn.disconnect()
         if node.owner is not None and isinstance(exc, RedisError):
-            node.owner.reload_later()  # MOVED, or a master gone: look again next time
+            cast(Cluster, node.owner).reload_later()  # MOVED, or a master gone: look again
         raise
     if not reply:
         return None

@@ -34,8 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_dlock import forks, transport
-from celery_dlock.transport import Node, run_script
+from celery_dlock import forks
+from celery_dlock.redis import transport
+from celery_dlock.redis.nodes import Node
+from celery_dlock.redis.transport import run_script
 
 log = logging.getLogger("celery_dlock.release")
 

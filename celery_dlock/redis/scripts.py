@@ -6,7 +6,7 @@ acquisition's random token (see :mod:`celery_dlock.holder`), so ``head`` alone i
 owner, and on Redlock each node may append its own fence counter without making values differ
 where it matters.
 
-Replies are small integer codes; :mod:`celery_dlock.redlock` maps them to outcomes in one place.
+Replies are small integer codes; :mod:`.redlock` maps them to outcomes in one place.
 Requires Redis 6.2+ (or Valkey): scripts call ``TIME`` before writing (effects replication).
 """
 
@@ -185,7 +185,7 @@ return 0
 #: Every value opens with its token (see :func:`holder.value_head`), so a prefix compares it.
 #: Unlike RELEASE_HOLDER, which any execution of a task id matches, this never frees the lock
 #: of another execution of the same task (a redelivered copy, the retried run).
-RELEASE_TOKEN = """
+RELEASE_NONCE = """
 local cur = redis.call('GET', KEYS[1])
 local prefix = '{"token":"' .. ARGV[1] .. '"'
 if not cur or string.sub(cur, 1, #prefix) ~= prefix then
@@ -242,7 +242,9 @@ return out
 """
 
 #: An operator's forced release: blacklist the holder's acquisition rather than only delete it,
-#: so its next renewal reports the lease lost instead of re-taking the key.
+#: so its next renewal reports the lease lost instead of re-taking the key: a holder must learn
+#: it lost the lock rather than silently regain it (Kleppmann, "How to do distributed locking",
+#: https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html).
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] waiter signal list, KEYS[4] the
 #: revoked marker of the acquisition (named after its token). ARGV[1] that token, ARGV[2]
@@ -293,7 +295,7 @@ ALL = {
     "void": VOID,
     "release_late": RELEASE_LATE,
     "release_holder": RELEASE_HOLDER,
-    "release_token": RELEASE_TOKEN,
+    "release_nonce": RELEASE_NONCE,
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
     "handover": HANDOVER,

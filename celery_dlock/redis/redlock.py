@@ -1,9 +1,11 @@
-"""Leases on one Redis or on N independent masters (Redlock), with fencing tokens.
+"""The Redis backend: leases on one Redis or on N independent masters (Redlock), with fencing
+tokens. :class:`LockManager` implements :class:`celery_dlock.backend.Backend`.
 
 One code path serves both: a single node is a Redlock of one with a quorum of one.
 
-Acquire (seed 001): send the acquire script to every node at once; succeed when a majority
-took the key and ``ttl - elapsed - drift`` is still positive; otherwise undo on every node.
+Acquire (Redlock, https://redis.io/docs/latest/develop/use/distributed-locks/): send the acquire
+script to every node at once; succeed when a majority took the key and ``ttl - elapsed - drift``
+is still positive; otherwise undo on every node.
 
 Fencing: each node issues its next counter value; the token is the maximum over the nodes that
 took the key, and when they disagreed (a node was wiped or missed acquisitions) that maximum is
@@ -15,21 +17,22 @@ floored at the server clock (see :data:`scripts.ACQUIRE`).
 
 Waiting: a contender blocks on a signal list (``BLPOP``) that every release pushes one element
 to, so a release wakes exactly one waiter, and a crashed holder's expiry bounds the wait.
+
+What the replies decide is in :mod:`celery_dlock.redis.decisions` (pure); the operator's reads and
+repairs are in :mod:`celery_dlock.redis.inspection`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from celery_dlock.config import (
     Settings,
@@ -40,25 +43,26 @@ from celery_dlock.config import (
     drift,
     quorum,
 )
-from celery_dlock.diagnose import describe, refusal
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.holder import Holder, head_token, parse_value, value_head
-from celery_dlock.janitor import janitor
+from celery_dlock.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.lease import Lease, LostCallback
-from celery_dlock.renewal import watchdog
-from celery_dlock.signals import lock_acquired, lock_lost, lock_released
-from celery_dlock.transport import (
+from celery_dlock.redis import decisions, inspection, nodes
+from celery_dlock.redis.cluster import node_for
+from celery_dlock.redis.decisions import Refusal, ms
+from celery_dlock.redis.diagnose import describe
+from celery_dlock.redis.inspection import revoked_key
+from celery_dlock.redis.janitor import janitor
+from celery_dlock.redis.nodes import Node, Reply
+from celery_dlock.redis.transport import (
     Deferred,
-    Node,
-    Reply,
     Resend,
     blocking_pop,
-    node_for,
     run_script,
     send_deferred,
     send_script,
-    unsent,
 )
+from celery_dlock.renewal import watchdog
+from celery_dlock.signals import lock_acquired, lock_lost, lock_released
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -71,88 +75,14 @@ SPLIT_RETRIES = 5
 BATON_RETRIES = 8
 
 
-# Extend-script codes (see scripts.EXTEND).
-_EXTENDED, _ABSENT, _RETAKEN, _TAKEN, _REVOKED = 1, 0, 2, 3, 4
-
-
-def _identities(value: bytes) -> tuple[Holder | None, tuple[Any, Any, Any]]:
-    """A lock value parsed, and what identifies its holder: acquisition token, task id, and
-    the raw value itself for a value this library did not write."""
-    holder = parse_value(value)
-    if holder is None:
-        return None, (None, None, value)
-    return holder, (holder.token, holder.holder, None)
-
-
-def revoked_key(lock_key: str, token: str) -> str:
-    """The marker an operator's forced release leaves for one acquisition (its token)."""
-    return f"{lock_key}:revoked:{token}"
-
-
 def _task_name(sender: Any) -> str | None:
     name = getattr(sender, "name", None)
     return name if isinstance(name, str) else None
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-@dataclass(frozen=True)
-class LockInfo:
-    """One key as a majority of nodes sees it (``celery_dlock.admin``, the operator command)."""
-
-    key: str
-    holder: Holder | None  # None when nobody holds the key
-    ttl_left: float | None  # seconds until the key expires, None when not held
-    fence: int | None  # the key's fencing counter (the last token handed out); None: none yet
-
-    @property
-    def held(self) -> bool:
-        return self.holder is not None
-
-    @property
-    def task_id(self) -> str | None:
-        """The id of the task holding the key (None when free, or held outside a task)."""
-        return self.holder.holder if self.holder is not None else None
-
-    def as_dict(self, now: float | None = None) -> dict[str, Any]:
-        """The fields the operator command prints; ``now`` (wall seconds) dates ``age``."""
-        holder = self.holder
-        now = time.time() if now is None else now
-        return {
-            "key": self.key,
-            "held": holder is not None,
-            "task": holder.task if holder else None,
-            "task_id": holder.holder if holder else None,
-            "host": holder.host if holder else None,
-            "pid": holder.pid if holder else None,
-            "queued": holder.queued if holder else None,
-            "age": round(now - holder.since, 3) if holder else None,
-            "ttl_left": None if self.ttl_left is None else round(self.ttl_left, 3),
-            "fence": holder.fence if holder else self.fence,
-        }
-
-
 def void_key(lock_key: str, head: str) -> str:
     """The marker that calls off one acquisition attempt (see scripts.VOID)."""
-    return f"{lock_key}:void:{head_token(head)}"
-
-
-def _silent(replies: Sequence[Reply]) -> frozenset[int]:
-    """Nodes that were sent a command and did not answer: they may still run it."""
-    return frozenset(
-        i for i, r in enumerate(replies) if isinstance(r, BaseException) and not unsent(r)
-    )
-
-
-def _failed(reply: Reply) -> bool:
-    """A release reply that is no answer (an error reply is an answer: retrying cannot help)."""
-    return isinstance(reply, BaseException) and not isinstance(reply, ResponseError)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
+    return f"{lock_key}:void:{head_nonce(head)}"
 
 
 @dataclass(frozen=True)
@@ -170,19 +100,6 @@ class _Request:
     retention_ms: int | None = None  # how long the fence counter is kept; None = the setting
 
 
-@dataclass(frozen=True)
-class _Refusal:
-    """Why one acquisition round did not produce a lease."""
-
-    unavailable: bool  # too few nodes answered to reach a quorum
-    holder: Holder | None
-    retry_after: float | None  # seconds until the holder's key expires on the nodes that said
-    split: bool  # nobody holds a majority: contenders collided; back off at random
-    errors: tuple[tuple[str, str], ...]
-    detail: str
-    answered: tuple[int, ...] = ()  # indices of the nodes that answered
-
-
 class LockManager:
     """Acquire, renew and release leases on the nodes of one :class:`Settings`."""
 
@@ -195,7 +112,7 @@ class LockManager:
         self.redlock = len(self.nodes) > 1
         #: A Redis Cluster (always the only node): one script call may touch only one slot.
         self.cluster = any(node.cluster for node in self.nodes)
-        self._retention_ms = _ms(settings.fence_retention)
+        self._retention_ms = ms(settings.fence_retention)
 
     def __repr__(self) -> str:
         kind = f"Redlock over {len(self.nodes)} nodes" if self.redlock else "single Redis"
@@ -280,7 +197,7 @@ class LockManager:
         fence_retention: float | None = None,
     ) -> Lease:
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
-        retention = None if fence_retention is None else _ms(fence_retention)
+        retention = None if fence_retention is None else ms(fence_retention)
         request = _Request(
             key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention
         )
@@ -299,7 +216,7 @@ class LockManager:
         keys = self.redis_keys(key)
         begun = time.monotonic()
         give_up = None if wait is None else begun + wait
-        woken_from: str | None = None  # token of the holder whose release woke us, if any
+        woken_from: str | None = None  # nonce of the holder whose release woke us, if any
         baton = 0
         splits = 0
         while True:
@@ -310,14 +227,15 @@ class LockManager:
                 raise self._refused(key, outcome)
             if outcome.split and splits < SPLIT_RETRIES:
                 # Contenders collided and nobody holds a majority: not "held" yet, so even a
-                # caller that will not wait gets a few more tries, at random delays (seed 001).
+                # caller that will not wait gets a few more tries, at random delays, as Redlock
+                # retries a split vote (https://redis.io/docs/latest/develop/use/distributed-locks/).
                 splits += 1
                 time.sleep(random.uniform(0.0, 0.005 * splits))
                 continue
             left = None if give_up is None else give_up - time.monotonic()
             if left is not None and left <= 0:
                 raise self._refused(key, outcome)
-            seen = outcome.holder.token if outcome.holder else None
+            seen = outcome.holder.nonce if outcome.holder else None
             if woken_from is not None and seen == woken_from and baton < BATON_RETRIES:
                 # The release that woke us has not reached every node yet. We hold the only
                 # wake-up it gave: try again shortly rather than sleep, or it would be lost.
@@ -353,7 +271,7 @@ class LockManager:
         return lease
 
     @staticmethod
-    def _refused(key: str, outcome: _Refusal) -> LockContended | LockUnavailable:
+    def _refused(key: str, outcome: Refusal) -> LockContended | LockUnavailable:
         """The error for an attempt that will not be tried again."""
         if outcome.unavailable:
             return LockUnavailable(
@@ -375,10 +293,10 @@ class LockManager:
         floor = "0" if self.redlock else "1"
         return (
             (keys[0], keys[1], void_key(keys[0], head)),
-            (head, _ms(request.ttl), retention, request.takeover, floor),
+            (head, ms(request.ttl), retention, request.takeover, floor),
         )
 
-    def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | _Refusal:
+    def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | Refusal:
         """One acquisition round on every node; a lease, or why not."""
         head = self._head(request)
         started = time.monotonic()
@@ -426,20 +344,15 @@ class LockManager:
         head: str,
         started: float,
         replies: list[Reply],
-    ) -> Lease | _Refusal:
+    ) -> Lease | Refusal:
         ttl = request.ttl
-        fences: dict[int, int] = {}
-        others: list[tuple[bytes, int]] = []
-        errors: list[tuple[str, str]] = []
-        for i, reply in enumerate(replies):
-            if isinstance(reply, BaseException):
-                errors.append((self.nodes[i].shown, describe(reply, self.nodes[i])))
-            elif reply[0] == 1:
-                fences[i] = int(reply[1])
-            elif reply[0] == 0:
-                others.append((reply[1], int(reply[2])))
-            else:  # voided: cannot happen to a reply we read, only to one we gave up on
-                errors.append((self.nodes[i].shown, "attempt voided"))
+        fences, others, failures = decisions.tally(replies)
+        errors = [
+            (self.nodes[i].shown, describe(replies[i], self.nodes[i]))
+            if isinstance(replies[i], BaseException)
+            else (self.nodes[i].shown, "attempt voided")
+            for i in failures
+        ]
         if len(fences) >= self.quorum:
             token = max(fences.values())
             if len(set(fences.values())) > 1 and not self._raise_fence(keys[1], token, fences):
@@ -463,12 +376,12 @@ class LockManager:
                     if errors:
                         # A node that got the acquire and did not answer may still run it
                         # (stalled, not dead): the release owes it a void (see release()).
-                        lease._silent = _silent(replies)
+                        lease._silent = decisions.silent(replies)
                     return lease
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
         answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
-        return self._refusal(others, errors, answered)
+        return decisions.refusal(others, errors, answered, len(self.nodes), self.quorum)
 
     def _undo(
         self,
@@ -481,15 +394,13 @@ class LockManager:
         """Release a failed attempt: now where we took the key, in the background where the
         node did not answer (it may take the key yet, and waiting on it again would double
         the time a caller waits to hear that Redis is unavailable)."""
-        silent = [self.nodes[i] for i in _silent(replies)]
+        late = [self.nodes[i] for i in decisions.silent(replies)]
         if fences:
             taken = [self.nodes[i] for i in fences]
             undone = self._release_on(taken, keys, head, ttl, wake=False)
-            silent += [
-                n for n, r in zip(taken, undone, strict=True) if isinstance(r, BaseException)
-            ]
-        if silent:
-            self._void(silent, keys, head, time.monotonic() + ttl)
+            late += [n for n, r in zip(taken, undone, strict=True) if isinstance(r, BaseException)]
+        if late:
+            self._void(late, keys, head, time.monotonic() + ttl)
 
     def _release_on(
         self,
@@ -505,41 +416,9 @@ class LockManager:
             nodes,
             "release",
             (keys[0], keys[2]),
-            (head, _ms(max(ttl, 0.001)), "1" if wake else "0", head_token(head)),
+            (head, ms(max(ttl, 0.001)), "1" if wake else "0", head_nonce(head)),
             self.settings.node_timeout,
         )
-
-    def _refusal(
-        self,
-        others: list[tuple[bytes, int]],
-        errors: list[tuple[str, str]],
-        answered: tuple[int, ...],
-    ) -> _Refusal:
-        n = len(self.nodes)
-        if len(answered) < self.quorum or (not others and errors):
-            reached = f"{len(answered)} of {n} node(s) answered, {self.quorum} needed"
-            first = "; ".join(f"{node}: {err}" for node, err in errors[:3])
-            return _Refusal(
-                True, None, None, False, tuple(errors), f"{reached} ({first})", answered
-            )
-        # Values of one acquisition differ between nodes only in the fence counter each node
-        # appended: group by its random token, and report the highest fence (the real token).
-        # An enqueue-time lock being taken over by its execution shows two tokens of one task
-        # for a moment: group by task id then. Without a majority nobody holds the key: the
-        # values are contenders' partial attempts, about to be undone (a split).
-        parsed = [(_identities(value), pttl) for value, pttl in others]
-        for kind in range(3):  # by acquisition token, then by task id, then by raw value
-            groups: dict[Any, list[tuple[Holder | None, int]]] = {}
-            for (holder, idents), pttl in parsed:
-                if idents[kind] is not None:
-                    groups.setdefault(idents[kind], []).append((holder, pttl))
-            top = next((g for g in groups.values() if len(g) >= self.quorum), None)
-            if top is not None:
-                holders = [h for h, _ in top if h is not None]
-                holder = max(holders, key=lambda h: h.fence) if holders else None
-                retry_after = max(0, min(pttl for _, pttl in top)) / 1000.0
-                return _Refusal(False, holder, retry_after, False, tuple(errors), "held", answered)
-        return _Refusal(False, None, None, True, tuple(errors), "contended", answered)
 
     def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
         """Write the token back to the quorum's counters; True if a majority recorded it."""
@@ -555,15 +434,15 @@ class LockManager:
         return done >= self.quorum
 
     def _wait_for_release(
-        self, key: str, signal_key: str, refusal: _Refusal, give_up: float | None, ttl: float
+        self, key: str, signal_key: str, refusal: Refusal, give_up: float | None, ttl: float
     ) -> str | None:
         """Block until a release signal, the holder's expiry, or the end of our wait.
 
-        Returns the token of the holder whose release woke us, or None (timeout, collision).
+        Returns the nonce of the holder whose release woke us, or None (timeout, collision).
         """
         if refusal.split:
-            # Contenders collided and each holds a minority: back off at random (seed 001)
-            # so one of them wins the next round.
+            # Contenders collided and each holds a minority: back off at random, as Redlock
+            # does, so one of them wins the next round.
             time.sleep(random.uniform(0.0, 0.01 + 0.002 * len(self.nodes)))
             return None
         expiry = ttl if refusal.retry_after is None else refusal.retry_after + 0.001
@@ -617,7 +496,7 @@ class LockManager:
             until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
             owed = [self.nodes[i] for i in lease._silent] if lease._silent else []
             if not wait:
-                args = (lease.head, _ms(lease.ttl), "1", head_token(lease.head))
+                args = (lease.head, ms(lease.ttl), "1", head_nonce(lease.head))
                 # Sent again if it may have been lost with its connection: waking a waiter
                 # only if the key was still there (the first one may have landed).
                 resend: Resend = (
@@ -631,7 +510,9 @@ class LockManager:
             else:
                 replies = self._release_on(self.nodes, keys, lease.head, lease.ttl, wake=True)
                 if any(isinstance(r, BaseException) for r in replies):
-                    owed += [n for n, r in zip(self.nodes, replies, strict=True) if _failed(r)]
+                    owed += [
+                        n for n, r in zip(self.nodes, replies, strict=True) if decisions.failed(r)
+                    ]
             if owed:
                 # Each node the release did not reach, or that may still run a stale acquire
                 # or renewal of this lease, gets its delete from the janitor until it lands.
@@ -670,16 +551,16 @@ class LockManager:
         self, lease: Lease, keys: tuple[str, str, str]
     ) -> tuple[tuple[str, str, str, str], tuple[Any, ...]]:
         """Keys and arguments of scripts.RELEASE_LATE for ``lease``."""
-        token = head_token(lease.head)
-        late_keys = (keys[0], void_key(keys[0], lease.head), revoked_key(keys[0], token), keys[2])
-        return late_keys, (lease.head, _ms(lease.ttl), _ms(lease.ttl), token)
+        nonce = head_nonce(lease.head)
+        late_keys = (keys[0], void_key(keys[0], lease.head), revoked_key(keys[0], nonce), keys[2])
+        return late_keys, (lease.head, ms(lease.ttl), ms(lease.ttl), nonce)
 
     def hand_over(self, lease: Lease, ttl: float) -> str | None:
         """Turn ``lease`` into the queued lock of its own task's next message (a retry).
 
         The key keeps its fencing token and passes, without a gap, to the execution of that
         message (which takes it over). The lease itself ends here: no more renewal, no release.
-        Returns the queued lock's acquisition token (for the message to carry) when a quorum
+        Returns the queued lock's acquisition nonce (for the message to carry) when a quorum
         confirmed; None means the lease was no longer held.
         """
         queued_head = value_head(lease.holder, queued=True, task=_task_name(lease.sender))
@@ -691,12 +572,12 @@ class LockManager:
                 self.nodes,
                 "handover",
                 (self.redis_keys(lease.key)[0],),
-                (lease.head, queued_head, lease.token, _ms(ttl)),
+                (lease.head, queued_head, lease.token, ms(ttl)),
                 self.settings.node_timeout,
             )
         done = sum(1 for r in replies if r == 1)
         log_release.debug("handed key=%s over to the queued retry of %s", lease.key, lease.holder)
-        return head_token(queued_head) if done >= self.quorum else None
+        return head_nonce(queued_head) if done >= self.quorum else None
 
     def forget(self, lease: Lease) -> None:
         """Drop a lease this process will neither renew nor release (a queued lock, a beat
@@ -704,12 +585,12 @@ class LockManager:
         lease.set_released()
         watchdog.discard(lease)  # watched if someone listens for losses
 
-    def release_by_holder(self, key: str, holder: str) -> bool:
-        """Delete ``key`` if its holder id is ``holder``, whichever acquisition of it holds it.
+    def release_by_task(self, key: str, task_id: str) -> bool:
+        """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition of it holds it.
 
         For operators and one-shot keys (beat's tick keys). A task id can name more than one
         execution (a redelivered copy, a retry), so releases on a task's behalf name the
-        acquisition instead (:meth:`release_token`). True if the key was deleted on a quorum.
+        acquisition instead (:meth:`release_nonce`). True if the key was deleted on a quorum.
         The holder's next renewal then reports the lease lost.
         """
         key = check_key(key)
@@ -718,16 +599,19 @@ class LockManager:
             self.nodes,
             "release_holder",
             (keys[0], keys[2]),
-            (holder, _ms(self.settings.ttl)),
+            (task_id, ms(self.settings.ttl)),
             self.settings.node_timeout,
         )
         deleted = sum(1 for r in replies if r == 1)
         if deleted:
-            log_release.info("released key=%s held by %s on %d node(s)", key, holder, deleted)
+            log_release.info("released key=%s held by %s on %d node(s)", key, task_id, deleted)
         return deleted >= self.quorum
 
-    def release_token(self, key: str, token: str) -> bool:
-        """Delete ``key`` if the acquisition named by ``token`` holds it.
+    #: Older name of :meth:`release_by_task`.
+    release_by_holder = release_by_task
+
+    def release_nonce(self, key: str, nonce: str) -> bool:
+        """Delete ``key`` if the acquisition named by ``nonce`` holds it.
 
         For whoever knows an acquisition has ended without releasing (the parent worker
         process of a pool process that died holding it) or will never run (a queued message
@@ -738,17 +622,17 @@ class LockManager:
         keys = self.redis_keys(key)
         replies = run_script(
             self.nodes,
-            "release_token",
+            "release_nonce",
             (keys[0], keys[2]),
-            (token, _ms(self.settings.ttl)),
+            (nonce, ms(self.settings.ttl)),
             self.settings.node_timeout,
         )
         n = sum(1 for r in replies if r == 1)
         if n:
-            log_release.info("released key=%s (acquisition %s…) on %d node(s)", key, token[:6], n)
+            log_release.info("released key=%s (acquisition %s…) on %d node(s)", key, nonce[:6], n)
         return n >= self.quorum
 
-    # -- inspect ---------------------------------------------------------------------------
+    # -- inspect and repair (the operator's; see celery_dlock.redis.inspection) ------------------
 
     def holder(self, key: str) -> Holder | None:
         """The current holder as a majority sees it, or None when no one holds ``key``.
@@ -756,84 +640,15 @@ class LockManager:
         Raises :class:`LockUnavailable` when fewer than a majority answer: "not held" would
         then be a guess.
         """
-        key = check_key(key)
-        return self._holder_of(self._read_key(key))
-
-    def _read_key(self, key: str) -> list[Any]:
-        """The inspect script's replies from the nodes that answered; LockUnavailable when
-        fewer than a majority did."""
-        keys = self.redis_keys(key)
-        replies = run_script(self.nodes, "inspect", keys[:2], (), self.settings.node_timeout)
-        answered = [r for r in replies if not isinstance(r, BaseException)]
-        if len(answered) < self.quorum:
-            errors = [
-                (node.shown, describe(r, node))
-                for node, r in zip(self.nodes, replies, strict=True)
-                if isinstance(r, BaseException)
-            ]
-            first = "; ".join(f"{node}: {err}" for node, err in errors[:3])
-            raise LockUnavailable(
-                f"cannot inspect {key!r}: only {len(answered)} of {len(self.nodes)} node(s) "
-                f"answered, {self.quorum} needed ({first})",
-                key=key,
-                errors=errors,
-            )
-        return answered
-
-    def _holder_of(self, answered: list[Any]) -> Holder | None:
-        holders = [(parse_value(r[0]), r[2]) for r in answered if r[0]]
-        by_token = Counter(h.token for h, _ in holders if h is not None)
-        if not by_token:
-            return None
-        token, count = by_token.most_common(1)[0]
-        if count < self.quorum:
-            return None
-        mine = [(h, counter) for h, counter in holders if h and h.token == token]
-        holder = max((h for h, _ in mine), key=lambda h: h.fence)
-        # Each node's value carries its own proposal; the lease's token (the highest of the
-        # granting nodes') was written back to their counters. When the node whose value
-        # carried it does not answer, a counter still shows it.
-        counters = [int(c) for _, c in mine if c is not None]
-        if counters and max(counters) > holder.fence:
-            holder = dataclasses.replace(holder, fence=max(counters))
-        return holder
+        return inspection.holder(self, key)
 
     def inspect(self, key: str) -> LockInfo:
         """The key's holder, time left and fencing counter, as a majority of nodes sees them."""
-        key = check_key(key)
-        answered = self._read_key(key)
-        fences = [int(r[2]) for r in answered if r[2] is not None]
-        fence = max(fences) if fences else None
-        holder = self._holder_of(answered)
-        if holder is None:
-            return LockInfo(key, None, None, fence)
-        left = [int(r[1]) for r in answered if r[0] and parse_value(r[0]) == holder]
-        return LockInfo(key, holder, min(left) / 1000.0 if left else None, fence)
+        return inspection.inspect(self, key)
 
     def locks(self, prefix: str = "") -> list[LockInfo]:
         """Every key starting with ``prefix`` that some node holds (for the operator command)."""
-        pattern = f"{self.settings.prefix}:{{{_glob_escape(prefix)}*}}"
-        start = len(self.settings.prefix) + 2
-        found: set[str] = set()
-        for node in self.nodes:
-            client = None
-            try:
-                client = node.endpoint.client(max(node.timeout, 1.0))  # SCAN: slower than a lock
-                for raw in client.scan_iter(match=pattern, count=500):
-                    name = raw.decode() if isinstance(raw, bytes) else str(raw)
-                    found.add(name[start:-1])
-            except (RedisError, RedisClusterException) as exc:
-                # A down node does not stop a Redlock listing; a refusal (ACL) would hide keys.
-                if not self.redlock or isinstance(exc, ResponseError) or refusal(exc):
-                    raise LockUnavailable(
-                        f"cannot list locks on {node.shown}: {describe(exc, node)}",
-                        key=prefix,
-                        errors=[(node.shown, describe(exc, node))],
-                    ) from exc
-            finally:
-                if client is not None:
-                    client.close()
-        return [self.inspect(key) for key in sorted(found)]
+        return inspection.locks(self, prefix)
 
     def force_release(self, key: str, holder: Holder) -> bool:
         """Release ``key`` from ``holder`` for an operator: its renewal will report it lost.
@@ -841,27 +656,19 @@ class LockManager:
         Leaves a marker naming the acquisition, so neither its renewal nor a Redlock re-take
         can bring the key back, and moves the fencing counter on. True if a majority released.
         """
-        key = check_key(key)
-        lock_key, fence_key, signal_key = self.redis_keys(key)
-        info = self.inspect(key)
-        pttl = info.ttl_left or 0.0
-        marker_ttl = max(2 * self.settings.ttl, 2 * pttl, 10.0)
-        replies = run_script(
-            self.nodes,
-            "force_release",
-            (lock_key, fence_key, signal_key, revoked_key(lock_key, holder.token)),
-            (holder.token, _ms(marker_ttl), self._retention_ms),
-            self.settings.node_timeout,
-        )
-        released = sum(1 for r in replies if r == 1)
-        log_release.warning(
-            "forced release of key=%s held by %s on %d of %d node(s)",
-            key,
-            holder.describe(),
-            released,
-            len(self.nodes),
-        )
-        return released >= self.quorum
+        return inspection.force_release(self, key, holder)
+
+    def purge(self, prefix: str) -> list[str]:
+        """Force-release every held key starting with ``prefix``; the keys released."""
+        return inspection.purge(self, prefix)
+
+    def endpoints(self) -> list[str]:
+        """Each node's URL, passwords hidden."""
+        return inspection.endpoints(self)
+
+    def check(self) -> list[tuple[str, str | None]]:
+        """``(url, error)`` per node: error None where a lock script ran, else why not."""
+        return inspection.check(self)
 
     # -- renew (called by the watchdog) ----------------------------------------------------
 
@@ -891,15 +698,15 @@ class LockManager:
         args: list[Any] = ["1" if self.redlock else "0", self._retention_ms]
         for lease in leases:
             lock_key, fence_key, _ = self.redis_keys(lease.key)
-            keys += (lock_key, fence_key, revoked_key(lock_key, head_token(lease.head)))
-            args += (lease.head, _ms(lease.ttl), lease.token)
+            keys += (lock_key, fence_key, revoked_key(lock_key, head_nonce(lease.head)))
+            args += (lease.head, ms(lease.ttl), lease.token)
         started = time.monotonic()
         timeout = max(0.001, min(self.settings.node_timeout, *(x.valid_for for x in leases)))
         replies = run_script(self.nodes, "extend", keys, args, timeout)
         failed = [
             (n, r) for n, r in zip(self.nodes, replies, strict=True) if isinstance(r, BaseException)
         ]
-        silent = _silent(replies) if failed else None
+        silent = decisions.silent(replies) if failed else None
         if silent:  # a late renewal there could re-take a released key: the release voids it
             for lease in leases:
                 lease._silent = silent if lease._silent is None else lease._silent | silent
@@ -914,30 +721,14 @@ class LockManager:
         out: list[str | None] = []
         for j, lease in enumerate(leases):
             codes = [None if isinstance(r, BaseException) else int(r[j]) for r in replies]
-            extended = codes.count(_EXTENDED)
-            if extended >= self.quorum:
+            verdict = decisions.renewal(codes, self.quorum, self.redlock)
+            if verdict.renewed:
                 lease.renewed(
                     started, started + lease.ttl - drift(lease.ttl, self.settings.drift_factor)
                 )
-                out.append(None)
-            elif extended + codes.count(None) >= self.quorum:
-                out.append(None)  # might still hold; retry before the validity runs out
-            else:
-                out.append(self._loss_reason(codes))
+            # lost None and not renewed: it might still hold; retried before validity runs out
+            out.append(verdict.lost)
         return out
-
-    def _loss_reason(self, codes: list[int | None]) -> str:
-        if codes.count(_REVOKED):
-            return "released by an operator (celery dlock release)"
-        taken = codes.count(_TAKEN)
-        gone = codes.count(_ABSENT) + codes.count(_RETAKEN)
-        where = "" if not self.redlock else f" on {taken + gone} of {len(codes)} nodes"
-        if taken and taken >= gone:
-            return f"another holder has the key{where}"
-        return (
-            f"the key is gone from Redis{where} (deleted, expired, or Redis restarted "
-            "without its data)"
-        )
 
     def close(self) -> None:
         for node in self.nodes:
@@ -965,9 +756,14 @@ class PendingAcquire:
         self._deferred = deferred
 
     @property
+    def nonce(self) -> str:
+        """The random nonce of the acquisition sent (whether or not it took the key)."""
+        return head_nonce(self._head)
+
+    @property
     def token(self) -> str:
-        """The random token of the acquisition sent (whether or not it took the key)."""
-        return head_token(self._head)
+        """Older name of :attr:`nonce`."""
+        return self.nonce
 
     def finish(self) -> Lease:
         """Read the reply: the lease, or :class:`LockContended` / :class:`LockUnavailable`."""
@@ -983,3 +779,12 @@ class PendingAcquire:
         if isinstance(outcome, Lease):
             return manager._won(self._request, outcome, self._started, None)
         raise manager._refused(self.key, outcome)
+
+
+def _hurry(node: Node) -> None:
+    """A node's sentinels announced a new master: the new master's copies of the keys expire
+    unless renewed there, so every lease of a manager using that node is renewed at once."""
+    watchdog.hurry(lambda backend: isinstance(backend, LockManager) and node in backend.nodes)
+
+
+nodes.switch_hooks.append(_hurry)

@@ -9,7 +9,7 @@ key on the new master while its holder still believes it holds it.
 So every process that uses a ``redis+sentinel://`` entry subscribes to ``+switch-master`` on
 each of its sentinels (redis-py's pubsub, on the sentinel clients redis-py's ``Sentinel``
 already keeps). When one announces a new master for the service, the node records its address
-(:meth:`celery_dlock.transport.SentinelNode.switched_to`); from then on no connection of the
+(:meth:`celery_dlock.redis.nodes.SentinelNode.switched_to`); from then on no connection of the
 process sends anything to another address: each is dropped at its next use and opened again
 through the sentinels, the announcing one asked first, and the renewal watchdog renews this
 node's leases at once, on the new master.
@@ -28,12 +28,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError, ResponseError
-
-if TYPE_CHECKING:
-    from celery_dlock.transport import SentinelNode
 
 log = logging.getLogger("celery_dlock.failover")
 
@@ -47,10 +44,26 @@ RESUBSCRIBE_PAUSE = 0.25
 RESUBSCRIBE_MAX = 10.0
 
 
+class Watched(Protocol):
+    """What a listener needs of the node it serves (:class:`celery_dlock.redis.nodes.SentinelNode`,
+    whose module starts the listeners, so this one must not import it)."""
+
+    @property
+    def shown(self) -> str: ...
+
+    @property
+    def service(self) -> str: ...
+
+    @property
+    def announcement(self) -> tuple[tuple[str, int], int | None] | None: ...
+
+    def switched_to(self, address: tuple[str, int], epoch: int | None = None) -> None: ...
+
+
 class SwitchWatch:
     """One listener thread per sentinel of one node, alive until :meth:`close`."""
 
-    def __init__(self, node: SentinelNode, sentinel_manager: Any) -> None:
+    def __init__(self, node: Watched, sentinel_manager: Any) -> None:
         self._node = node
         self._manager = sentinel_manager  # redis.sentinel.Sentinel: its .sentinels are clients
         self._stop = threading.Event()
@@ -113,7 +126,7 @@ class SwitchWatch:
         if client in sentinels:
             sentinels[:] = [client, *(s for s in sentinels if s is not client)]
         address = (parts[3], int(parts[4]))
-        before = self._node._announcement
+        before = self._node.announcement
         if before is None or before[1] is None:
             # Nothing to compare an epoch with: act at once, then learn the epoch (a sentinel
             # slow to answer must not delay the switch).

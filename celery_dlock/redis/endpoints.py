@@ -26,6 +26,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from redis.connection import Connection, parse_url
 
+from celery_dlock.config import redact
 from celery_dlock.errors import ConfigError
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -35,7 +36,6 @@ SCHEMES = PLAIN_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES
 DEFAULT_SENTINEL_PORT = 26379
 #: Query options that configure the sentinels rather than the master.
 SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username")
-_SECRET_MARKERS = ("pas", "pwd", "secret", "token")  # "pas": misspelt passwords too
 #: TLS query options that name files, checked when the URL is parsed.
 TLS_FILES = {
     "ssl_ca_certs": "the CA certificate(s) that signed the server's certificate",
@@ -48,31 +48,6 @@ FIX = (
     "redis+sentinel://host:26379,host2:26379/service_name/0 for Sentinel, or "
     "redis+cluster://host:7000,host2:7001 for Redis Cluster"
 )
-
-
-def redact(url: str) -> str:
-    """The URL with every password (user info, ``*password*`` query options) as ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, hosts = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(_secret(name) for name, _ in pairs):
-            query = urlencode([(n, "***" if _secret(n) else v) for n, v in pairs], safe="*/")
-    if netloc == parts.netloc and query == parts.query:
-        return url
-    return parts._replace(netloc=netloc, query=query).geturl()
-
-
-def _secret(option: str) -> bool:
-    return any(marker in option.lower() for marker in _SECRET_MARKERS)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,18 @@
-"""What Celery's signals tell us that a running task cannot see for itself.
+"""Our receivers of Celery's signals: in workers, but also in publishers and beat processes.
 
 Connected when ``celery_dlock`` is imported, so they exist in the worker's parent process
-(task modules are imported there before the pool forks) and in every publisher:
+(task modules are imported there before the pool forks), in every publisher and in beat:
 
 * ``task_revoked`` (worker parent): a task killed by ``revoke(terminate=True)`` cannot release
   its lease, and a discarded message (revoked, expired) never takes over its queued lock.
-  Releases name one acquisition by its token, never a task id, which a redelivered copy or a
+  Releases name one acquisition by its nonce, never a task id, which a redelivered copy or a
   retry shares with the execution that may still run. A terminated execution's lease is
   released once its pool process has really ended (:mod:`celery_dlock.children`): the signal
   may not end it. A discarded message frees only the queued lock it names in its headers.
-* ``before_task_publish`` (publishers): in enqueue-time mode, ``SingletonTask.apply_async``
-  sends the queued lock's acquisition before Celery builds the message, and its reply is read
-  here: a duplicate's publish is called off. Messages published without
-  going through ``SingletonTask.apply_async`` (``send_task`` by name, a beat process that did
-  not import the task) take the queued lock here, or are marked as duplicates, which the
-  worker then drops without running the body.
+* ``before_task_publish`` (publishers): step 3 of the enqueue-time publish path
+  (:mod:`celery_dlock.enqueue`): the queued lock's reply is read, and a duplicate's publish
+  called off; a message that did not come through ``SingletonTask.apply_async`` takes its
+  queued lock here, or is marked a duplicate.
 * ``before_task_publish`` (beat processes): a scheduled SingletonTask's send takes its tick
   key, or is marked as a duplicate of the send that has it (see :mod:`celery_dlock.beat`).
 * ``worker_process_shutdown`` (pool child): release whatever the process still holds.
@@ -27,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import weakref
 from typing import Any
 
 from celery.signals import (
@@ -39,29 +36,14 @@ from celery.signals import (
 
 from celery_dlock import admin, children
 from celery_dlock.beat import Tick, current_tick, mark_send
+from celery_dlock.enqueue import enqueue_app, lock_unlabelled, settle_early, take_early
+from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
 from celery_dlock.renewal import watchdog
-from celery_dlock.task import (
-    HEADER_DUPLICATE_OF,
-    HEADER_QUEUED,
-    SingletonTask,
-    queue_lock,
-    settle_early,
-    take_early,
-)
+from celery_dlock.task import SingletonTask
 
 log = logging.getLogger("celery_dlock.release")
+# Named for where it logs (at worker start); docs/operations.md lists it under this name.
 log_start = logging.getLogger("celery_dlock.worker")
-
-#: Enqueue-time singleton task name -> the app that registered it first (SingletonTask.bind).
-#: Celery copies a task into every app finalized later ("shared" tasks), each copy with its
-#: app's settings; the handler below cannot see which app publishes, so it uses the first.
-_enqueue_owner: dict[str, weakref.ref[Any]] = {}
-
-
-def register_enqueue_task(name: str, app: Any) -> None:
-    owner = _enqueue_owner.get(name)
-    if owner is None or owner() is None:
-        _enqueue_owner[name] = weakref.ref(app)
 
 
 @task_revoked.connect
@@ -81,8 +63,8 @@ def release_revoked(
         if terminated:
             _release_when_ended(manager, sender._execution_key(key, None), request.id, what)
         queued = getattr(request, HEADER_QUEUED, None)
-        if isinstance(queued, str) and manager.release_token(key, queued):
-            # Messages of older versions carry 1, not a token: their queued lock expires.
+        if isinstance(queued, str) and manager.release_nonce(key, queued):
+            # Messages of older versions carry 1, not a nonce: their queued lock expires.
             log.info("released %r queued by revoked task %s[%s]", key, sender.name, request.id)
     except Exception:  # never break the worker's revoke handling
         log.exception("could not release the lock of revoked task %s", request.id)
@@ -93,7 +75,7 @@ def _release_when_ended(manager: Any, key: str, task_id: str, what: str) -> None
     holder = manager.holder(key)
     if (
         holder is None
-        or holder.holder != task_id
+        or holder.task_id != task_id
         or holder.queued
         or holder.host != socket.gethostname()
     ):
@@ -116,20 +98,8 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
     if HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
         return
     task = _enqueue_task(sender)
-    if task is None or not isinstance(body, tuple | list) or len(body) < 2:
-        return
-    eta = headers.get("eta")
-    options = {"eta": _parse_eta(eta)} if eta else {}
-    try:
-        wanted = task.lock_key_for(body[0] or (), body[1] or {})
-        queued = queue_lock(task, wanted, headers["id"], options)
-    except Exception:  # a bad argument fails in the worker with its clear error instead
-        log.exception("could not take the queued lock for %s[%s]", sender, headers.get("id"))
-        return
-    if queued.holder_id is not None:
-        headers[HEADER_DUPLICATE_OF] = queued.holder_id
-    elif queued.key is not None:
-        headers[HEADER_QUEUED] = queued.token or 1
+    if task is not None:  # send_task by name, or a beat process that did not import the task
+        lock_unlabelled(task, headers, body)
 
 
 def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:
@@ -140,8 +110,7 @@ def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:
 
 
 def _enqueue_task(name: Any) -> SingletonTask | None:
-    owner = _enqueue_owner.get(name) if isinstance(name, str) else None
-    app = owner() if owner is not None else None
+    app = enqueue_app(name)
     if app is None:
         return None
     # The registry itself, not ``app.tasks``: that would finalize the app as a side effect.
@@ -149,15 +118,6 @@ def _enqueue_task(name: Any) -> SingletonTask | None:
     if isinstance(task, SingletonTask) and task.lock_on == "enqueue":
         return task
     return None
-
-
-def _parse_eta(eta: Any) -> Any:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(eta) if isinstance(eta, str) else eta
-    except ValueError:
-        return None
 
 
 @worker_process_shutdown.connect

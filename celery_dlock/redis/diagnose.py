@@ -12,11 +12,11 @@ from redis.exceptions import MovedError, NoPermissionError
 from redis.sentinel import MasterNotFoundError
 
 if TYPE_CHECKING:
-    from celery_dlock.transport import Node
+    from celery_dlock.redis.nodes import Node
 
 #: Every command a lock user runs: the scripts by SHA (and by source after a ``SCRIPT FLUSH``),
 #: the blocking wait, the operator listing (SCAN), and each command the Lua scripts in
-#: :mod:`celery_dlock.scripts` call (Redis checks those against the user's ACL too).
+#: :mod:`celery_dlock.redis.scripts` call (Redis checks those against the user's ACL too).
 ACL_COMMANDS = (
     "evalsha",
     "eval",

@@ -1,0 +1,431 @@
+"""Enqueue-time locks (``lock_on="enqueue"``): a message takes its key when it is published.
+
+The path of one publish, in the order it runs:
+
+1. ``SingletonTask.apply_async`` calls :func:`publish`. A beat send of a run already sent is
+   only labelled a duplicate (:func:`celery_dlock.beat.mark_send`); the worker drops it.
+2. :func:`send_queue_lock` sends the queued lock's acquisition without waiting for the reply,
+   and leaves it in a thread-local (:class:`EarlyLock`) for the message's task id, so the
+   round trip overlaps Celery building the message. Where that is not possible (Redlock,
+   Cluster, a key found held a moment ago, a retry of the running execution)
+   :func:`queue_lock` takes the lock right away instead, and a duplicate gets the holder's
+   ``AsyncResult`` without any message being built.
+3. Celery sends ``before_task_publish`` in the same thread; our receiver
+   (:mod:`celery_dlock.hooks`) calls :func:`take_early` and :func:`settle_early`, which reads
+   the reply through :func:`queue_lock`. If another task holds the key it raises
+   :class:`MergedDuplicate` to call the publish off: a ``BaseException``, because Celery's
+   signal dispatch logs and swallows every ``Exception`` a receiver raises.
+4. Back in :func:`publish`, ``MergedDuplicate`` becomes the holder's ``AsyncResult``; any
+   other failure to publish releases the key again, by the acquisition's nonce.
+
+Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
+process that did not import the task) reach step 3 with no early acquisition: the receiver
+finds the task by name (:func:`register_enqueue_task`, :func:`enqueue_app`) and
+:func:`lock_unlabelled` takes the queued lock, or marks the message a duplicate in its
+headers, which the worker then drops without running the body.
+
+A retry of the running execution publishes through the same path: its key is handed over to
+the retry message (:func:`queue_lock`), unless ``retry(throw=False)`` keeps the body going.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, NamedTuple, Protocol
+
+from celery import states
+from celery.utils import uuid
+
+from celery_dlock.backend import Backend, PendingLease
+from celery_dlock.beat import mark_send
+from celery_dlock.errors import LockContended, LockUnavailable
+from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
+from celery_dlock.holder import head_nonce
+from celery_dlock.lease import Lease
+from celery_dlock.signals import lock_contended
+
+# The task's logger: these lines are about its publishes (docs/operations.md lists it).
+log = logging.getLogger("celery_dlock.task")
+log_release = logging.getLogger("celery_dlock.release")
+
+
+class _Settings(Protocol):
+    @property
+    def manager(self) -> Backend: ...
+
+
+class Publisher(Protocol):
+    """What this module needs of a ``SingletonTask`` (which imports this module)."""
+
+    @property
+    def name(self) -> Any: ...
+    @property
+    def backend(self) -> Any: ...
+    @property
+    def lease(self) -> Lease | None: ...
+    def AsyncResult(self, task_id: str) -> Any: ...
+    def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str: ...
+    def _dlock(self) -> _Settings: ...
+    def _queued_ttl(self, options: Mapping[str, Any]) -> float: ...
+    def _wire_key(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, serializer: Any
+    ) -> str: ...
+
+
+#: Celery's own ``apply_async`` of the task, called as ``send(args, kwargs, task_id, producer,
+#: link, link_error, shadow, **options)``.
+Send = Callable[..., Any]
+
+
+def publish(
+    task: Publisher,
+    send: Send,
+    args: Any,
+    kwargs: Any,
+    task_id: str | None,
+    producer: Any,
+    link: Any,
+    link_error: Any,
+    shadow: str | None,
+    options: dict[str, Any],
+) -> Any:
+    """``apply_async`` in enqueue-time mode: take the key and publish, or return the result
+    of the task that holds it."""
+    task_id = task_id or uuid()
+    headers = dict(options.get("headers") or {})
+    if mark_send(task, task_id, headers):
+        # A beat send for a slot already sent: no queued lock; the worker drops it.
+        options["headers"] = headers
+        return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+    wanted = task._wire_key(args, kwargs, options.get("serializer"))
+    early = send_queue_lock(task, wanted, task_id, options)
+    key: str | None = wanted  # with early: the reply is read in before_task_publish
+    nonce = early.nonce if early is not None else None
+    if early is None:
+        queued = queue_lock(task, wanted, task_id, options)
+        if queued.holder_id is not None:
+            return task.AsyncResult(queued.holder_id)
+        key, nonce = queued.key, queued.nonce
+    # The message names its queued lock's acquisition, so that a worker discarding it
+    # (revoked, expired) frees that lock and nothing else. Marked even without a queued
+    # lock (Redis unreachable): our before_task_publish receiver then leaves it alone.
+    options["headers"] = {**headers, HEADER_QUEUED: nonce or 1}
+    try:
+        return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+    except MergedDuplicate as merged:  # settle_early called the publish off
+        if merged.holder_id != task_id:  # the same id (published again): still wanted
+            _unsubscribe(task, task_id)
+        return task.AsyncResult(merged.holder_id)
+    except BaseException:
+        if early is not None:  # the reply may not have been read: the publish failed first
+            key = early.finish_quietly()
+        if key is not None and nonce is not None:  # not published: free the key again
+            task._dlock().manager.release_nonce(key, nonce)
+        raise
+    finally:
+        if early is not None:
+            take_early(task_id)
+
+
+# -- the acquisition sent before the message is built ------------------------------------------
+
+
+class EarlyLock:
+    """A queued lock's acquisition sent before Celery builds the message, read at publish."""
+
+    def __init__(self, task: Publisher, key: str, pending: PendingLease) -> None:
+        self.task = task
+        self.key = key
+        self.pending = pending
+        self.taken = False  # set once the reply said this message holds the key
+
+    @property
+    def nonce(self) -> str:
+        """The acquisition's random nonce: the message carries it."""
+        return self.pending.nonce
+
+    def finish_quietly(self) -> str | None:
+        """Read the reply if that was not done; the key if this message took it."""
+        if not self.taken:
+            try:
+                self.task._dlock().manager.forget(self.pending.finish())
+                self.taken = True
+            except Exception:
+                pass
+        return self.key if self.taken else None
+
+
+#: Per thread: task id -> the early acquisition of the message being published. Per thread
+#: because Celery sends ``before_task_publish`` in the publishing thread.
+_early = threading.local()
+
+
+def _early_locks() -> dict[str, EarlyLock]:
+    found: dict[str, EarlyLock] | None = getattr(_early, "locks", None)
+    if found is None:
+        found = _early.locks = {}
+    return found
+
+
+def take_early(task_id: Any) -> EarlyLock | None:
+    """The early acquisition of message ``task_id`` still to be read, if any (removed)."""
+    return _early_locks().pop(task_id, None) if task_id else None
+
+
+#: Keys recently found held at publish: their next publishes check before building a message
+#: (a storm of duplicates stays cheap), the others overlap the check with building it.
+_held_recently: dict[str, float] = {}
+HELD_RECHECK = 1.0
+
+
+def send_queue_lock(
+    task: Publisher, key: str, task_id: str, options: Mapping[str, Any]
+) -> EarlyLock | None:
+    """Send the queued lock's acquisition without waiting, where that is possible.
+
+    None when the caller must use :func:`queue_lock` instead: Redlock or Cluster, a retry of
+    the running execution (its key is handed over), or a key found held less than
+    ``HELD_RECHECK`` seconds ago.
+    """
+    if time.monotonic() - _held_recently.get(key, -math.inf) < HELD_RECHECK:
+        return None
+    if _running_lease(task, key, task_id) is not None:
+        return None
+    ttl = task._queued_ttl(options) + _delay_of(options)
+    pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
+    if pending is None:
+        return None
+    early = EarlyLock(task, key, pending)
+    _early_locks()[task_id] = early
+    return early
+
+
+# -- in before_task_publish --------------------------------------------------------------------
+
+
+class MergedDuplicate(BaseException):
+    """Calls off the publish of an enqueue-time duplicate from ``before_task_publish``.
+
+    A BaseException because Celery's signal dispatch logs and swallows every ``Exception`` a
+    receiver raises; :func:`publish` catches it and returns the holder's result.
+    """
+
+    def __init__(self, holder_id: str) -> None:
+        super().__init__(holder_id)
+        self.holder_id = holder_id
+
+
+def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
+    """In ``before_task_publish``: read the early acquisition's reply. The message goes out
+    holding the key, goes out without a queued lock (Redis unreachable: logged), or is called
+    off with :class:`MergedDuplicate` (another task holds the key)."""
+    queued = queue_lock(early.task, early.key, headers["id"], {}, early=early)
+    if queued.holder_id is not None:
+        raise MergedDuplicate(queued.holder_id)
+
+
+def _unsubscribe(task: Publisher, task_id: str) -> None:
+    """Undo the result subscription Celery made for a publish that was called off."""
+    try:
+        consumer = getattr(task.backend, "result_consumer", None)
+        if consumer is not None:
+            consumer.cancel_for(task_id)
+    except Exception:  # best effort: at worst one idle subscription
+        log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
+
+
+#: Enqueue-time singleton task name -> the app that registered it first (SingletonTask.bind).
+#: Celery copies a task into every app finalized later ("shared" tasks), each copy with its
+#: app's settings; the receiver cannot see which app publishes, so it uses the first.
+_enqueue_owner: dict[str, weakref.ref[Any]] = {}
+
+
+def register_enqueue_task(name: str, app: Any) -> None:
+    owner = _enqueue_owner.get(name)
+    if owner is None or owner() is None:
+        _enqueue_owner[name] = weakref.ref(app)
+
+
+def enqueue_app(name: Any) -> Any:
+    """The app that registered enqueue-time task ``name`` first, or None."""
+    owner = _enqueue_owner.get(name) if isinstance(name, str) else None
+    return owner() if owner is not None else None
+
+
+def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None:
+    """In ``before_task_publish``, for a message of ``task`` that did not come through
+    :func:`publish`: take its queued lock, or mark it a duplicate of the holder."""
+    if not isinstance(body, tuple | list) or len(body) < 2:
+        return
+    eta = headers.get("eta")
+    options = {"eta": _parse_eta(eta)} if eta else {}
+    try:
+        wanted = task.lock_key_for(body[0] or (), body[1] or {})
+        queued = queue_lock(task, wanted, headers["id"], options)
+    except Exception:  # a bad argument fails in the worker with its clear error instead
+        log_release.exception(
+            "could not take the queued lock for %s[%s]", task.name, headers.get("id")
+        )
+        return
+    if queued.holder_id is not None:
+        headers[HEADER_DUPLICATE_OF] = queued.holder_id
+    elif queued.key is not None:
+        headers[HEADER_QUEUED] = queued.nonce or 1
+
+
+def _parse_eta(eta: Any) -> Any:
+    try:
+        return datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+    except ValueError:
+        return None
+
+
+# -- the queued lock itself --------------------------------------------------------------------
+
+
+#: Per thread: the lease of the execution whose ``retry()`` is under way (``lease``, so that
+#: execution-time mode releases it at the retry's publish) or whose ``retry(throw=False)``
+#: keeps its key (``keep``, enqueue-time mode).
+retrying = threading.local()
+
+
+def _running_lease(task: Publisher, key: str, task_id: str) -> Lease | None:
+    """The lease of the running execution this publish is a retry (or re-publish) of."""
+    running = task.lease
+    if running is not None and running.key == key and running.holder == task_id:
+        return running
+    return None
+
+
+class Queued(NamedTuple):
+    """What :func:`queue_lock` got for a message about to be published."""
+
+    key: str | None  # the key this message now holds, or None
+    holder_id: str | None  # the task holding the key instead (a duplicate of it), or None
+    nonce: str | None = None  # the queued lock's acquisition nonce, when ``key`` is set
+
+
+def queue_lock(
+    task: Publisher,
+    key: str,
+    task_id: str,
+    options: Mapping[str, Any],
+    early: EarlyLock | None = None,
+) -> Queued:
+    """Take the queued lock on ``key`` for a message about to be published (enqueue-time mode).
+
+    ``key`` set: this message now holds it, by the acquisition ``nonce``. ``holder_id`` set:
+    another task holds it (this message is a duplicate of that one). Neither: no lock could be
+    taken (Redis unreachable, or a holder that is not a task); publish anyway, the
+    execution-time lock still protects the body. With ``early``, the first attempt is that
+    acquisition, already sent.
+    """
+    manager = task._dlock().manager
+    ttl = task._queued_ttl(options) + _delay_of(options)
+    running = None if early is not None else _running_lease(task, key, task_id)
+    if running is not None:  # a retry of the running execution: the key goes with the message
+        if getattr(retrying, "keep", None) is running:
+            return Queued(None, None)  # ... unless the body goes on (retry(throw=False))
+        nonce = manager.hand_over(running, ttl)
+        return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
+    attempt = 0
+    splits = 0
+    revoked_checked = False
+    while True:
+        attempt += 1
+        try:
+            if early is not None and attempt == 1:
+                queued = early.pending.finish()
+            else:
+                # No take-over, not even of a queued lock of this very task id: publishing
+                # an id again while its message waits is a duplicate like any other (merged),
+                # or the body would run once per message. Its retry's key comes by hand_over.
+                queued = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, queued=True)
+        except LockUnavailable as exc:
+            log.warning(
+                "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
+            )
+            return Queued(None, None)
+        except LockContended as exc:
+            holder = exc.holder
+            if holder is None and exc.retry_after is None and splits < QUEUE_SPLIT_RETRIES:
+                # Redlock contenders collided and nobody holds a majority yet; one of them
+                # soon will. Look again rather than publish a second message for the key.
+                splits += 1
+                time.sleep(random.uniform(0.0, 0.01 * splits))
+                continue
+            if holder is None or holder.task_id is None:
+                return Queued(None, None)
+            if not revoked_checked and holder.queued and _revoked(task, holder.task_id):
+                # The queued task was revoked before any worker saw it: its lock (that one
+                # acquisition, not whatever holds the key by then) is free to go.
+                revoked_checked = True
+                manager.release_nonce(key, holder.nonce)
+                continue
+            if len(_held_recently) > 1000:
+                _held_recently.clear()
+            _held_recently[key] = time.monotonic()
+            lock_contended.send(
+                sender=task,
+                key=key,
+                token=None,
+                task_id=task_id,
+                holder=holder,
+                policy="merge",
+                retry_in=None,
+            )
+            return Queued(None, holder.task_id)
+        manager.forget(queued)
+        if early is not None:
+            early.taken = True
+        return Queued(key, None, head_nonce(queued.head))
+
+
+#: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
+#: contenders for a queued lock collided, on top of the acquire's own retries.
+QUEUE_SPLIT_RETRIES = 10
+
+
+#: Holder ids recently found not revoked: a storm of duplicates reads the backend once a
+#: second per holder, not once per duplicate.
+_not_revoked: dict[str, float] = {}
+REVOKED_RECHECK = 1.0
+
+
+def _revoked(task: Publisher, task_id: str) -> bool:
+    now = time.monotonic()
+    if now - _not_revoked.get(task_id, -math.inf) < REVOKED_RECHECK:
+        return False
+    try:
+        revoked = str(task.AsyncResult(task_id).state) == states.REVOKED
+    except Exception:  # no result backend, or it is down: assume not revoked
+        revoked = False
+    if not revoked:
+        if len(_not_revoked) > 1000:
+            _not_revoked.clear()
+        _not_revoked[task_id] = now
+    return revoked
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _delay_of(options: Mapping[str, Any]) -> float:
+    """Seconds until a message with these options may run (countdown or eta)."""
+    countdown = options.get("countdown")
+    if countdown:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, datetime):
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=timezone.utc)
+        return max(0.0, (eta - _utcnow()).total_seconds())
+    return 0.0

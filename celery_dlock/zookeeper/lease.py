@@ -1,0 +1,80 @@
+"""A lease on ZooKeeper: valid while its session is proven alive, not for a ttl."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from celery_dlock import forks
+from celery_dlock.lease import Lease, LeaseBackend
+from celery_dlock.renewal import watchdog
+
+
+class ZkLease(Lease):
+    """A :class:`Lease` whose validity follows the ZooKeeper session.
+
+    A reply to a request sent at ``S`` proves the servers heard from the session at or after
+    ``S``, so the session cannot expire there before ``S + session timeout``: the lease is
+    valid until then, minus the drift allowance, counted from before the acquisition's create.
+    The watchdog "renews" it every third of the session timeout with one ``exists`` on its node
+    (all of a batch sent together), which moves that bound on and also finds a node someone
+    deleted. So a process paused past the session timeout wakes up with its lease already
+    invalid, as on Redis. A suspended connection cuts the validity further (see
+    :mod:`celery_dlock.zookeeper.session`); the same session coming back lifts the cut.
+    """
+
+    def __init__(self, backend: LeaseBackend, path: str, **kwargs: Any) -> None:
+        super().__init__(backend, **kwargs)
+        #: The lease's lock node (full path).
+        self.path = path
+        self.pid = forks.pid()
+        #: Validity proven by the session's last answered request (see the class docstring).
+        self.session_until = self.deadline
+        #: Where max_hold ends validity (infinite without max_hold).
+        self.bound = math.inf if self.max_hold is None else self.acquired_at + self.max_hold
+        #: The cut of a suspended connection, or None while connected.
+        self.suspended_until: float | None = None
+        self._settle()
+
+    def _settle(self) -> None:
+        cut = math.inf if self.suspended_until is None else self.suspended_until
+        self._deadline = min(self.session_until, self.bound, cut)
+
+    def renewed(self, started: float, deadline: float) -> None:
+        self.session_until = max(self.session_until, deadline)
+        self.renewals += 1
+        if self.renew_interval is not None:
+            self.next_renewal = started + self.renew_interval
+        self._settle()
+
+    def suspend(self, until: float) -> None:
+        """The connection is gone: valid until ``until`` at most (see the session module)."""
+        if self.released or self._lost is not None:
+            return
+        self.suspended_until = until
+        self._settle()
+        watchdog.add(self)  # wakes the watchdog if the cut comes before its next look
+
+    def resume(self) -> None:
+        """The same session is back: lift the cut (unless it already ran out)."""
+        if self.released or self._lost is not None or self.suspended_until is None:
+            return
+        if time.monotonic() >= self._deadline:
+            self.notice_expiry()
+            return
+        self.suspended_until = None
+        self._settle()
+
+    def _expiry_reason(self) -> str:
+        if self.max_hold is not None and self._deadline >= self.bound:
+            return f"held for its max_hold of {self.max_hold:g} s; no longer renewed"
+        if self.suspended_until is not None and self._deadline >= self.suspended_until:
+            return (
+                "the connection to ZooKeeper was lost for longer than the session can be "
+                "trusted to outlive it (the lock node may be gone)"
+            )
+        return (
+            "no ZooKeeper server answered for longer than the session timeout allows "
+            "(process paused, or the ensemble unreachable): the session may have expired"
+        )
