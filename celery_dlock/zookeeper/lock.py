@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 from urllib.parse import quote, unquote
@@ -51,6 +49,7 @@ from celery_dlock.config import (
     DEFAULT_DRIFT_FACTOR,
     DEFAULT_PREFIX,
     DEFAULT_TTL,
+    Settings,
     check_key,
     check_seconds,
     check_ttl,
@@ -63,7 +62,7 @@ from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
 from celery_dlock.zookeeper.lease import ZkLease
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE, SharedClient, shared
-from celery_dlock.zookeeper.url import DEFAULT_TIMEOUT, ZkUrl, parse
+from celery_dlock.zookeeper.url import ZkUrl, parse
 
 log = logging.getLogger("celery_dlock.zookeeper")
 
@@ -215,44 +214,33 @@ class _Guard:
         )
 
 
-@dataclass(frozen=True)
-class ZkSettings:
-    """The ``dlock_*`` settings a ZooKeeperBackend runs with (the names of
-    :class:`celery_dlock.config.Settings`, which accepts only Redis URLs today)."""
-
-    urls: tuple[str, ...]
-    ttl: float = DEFAULT_TTL
-    prefix: str = DEFAULT_PREFIX
-    node_timeout: float = DEFAULT_TIMEOUT  # the session timeout asked for
-    drift_factor: float = DEFAULT_DRIFT_FACTOR
-    fence_retention: float = math.inf  # a zxid is never reset per key
-
-
 class ZooKeeperBackend:
     """Acquire and release leases on one ZooKeeper ensemble (a ``zookeeper://`` URL)."""
 
     def __init__(
         self,
-        url: str | ZkUrl,
+        url: str | Settings,
         *,
         prefix: str = DEFAULT_PREFIX,
         ttl: float = DEFAULT_TTL,
         drift_factor: float = DEFAULT_DRIFT_FACTOR,
-        setting: str = "dlock_urls",
     ) -> None:
-        self.url = url if isinstance(url, ZkUrl) else parse(url, setting)
-        if not isinstance(prefix, str) or not prefix or "/" in prefix or prefix in (".", ".."):
+        """From one ``zookeeper://`` URL and the other settings, or from checked
+        :class:`Settings` whose one URL is a ``zookeeper://`` URL (:func:`make_backend`)."""
+        if not isinstance(url, Settings):
+            url = Settings(urls=(url,), ttl=ttl, prefix=prefix, drift_factor=drift_factor)
+        self.settings = url
+        self.url: ZkUrl = parse(url.urls[0])
+        prefix = url.prefix
+        if "/" in prefix or prefix in (".", ".."):
             raise ConfigError(
                 f"dlock_prefix {prefix!r} cannot name a ZooKeeper node: use a non-empty name "
                 "without '/', e.g. 'dlock'."
             )
         self.prefix = prefix
-        self.ttl = check_ttl("dlock_ttl", ttl, drift_factor)
-        self.drift_factor = drift_factor
+        self.ttl = url.ttl
+        self.drift_factor = url.drift_factor
         self.base = f"{self.url.chroot}/{prefix}"
-        self.settings = ZkSettings(
-            (self.url.shown,), self.ttl, prefix, self.url.timeout, drift_factor
-        )
 
     def __repr__(self) -> str:
         return f"<ZooKeeperBackend {self.url.shown} prefix={self.prefix!r}>"
