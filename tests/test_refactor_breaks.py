@@ -296,5 +296,8 @@ def test_check_counts_only_singleton_tasks_not_any_task_with_a_dlock_method() ->
     def single() -> None: ...
 
     report = admin.check(app, reach=False)
-    assert report.tasks == ["duck.single"]
-    assert report.problems == []
+    # Tasks that other test modules made with shared=True join every app finalized after them:
+    # look at this test's own two.
+    assert "duck.single" in report.tasks
+    assert "duck.helper" not in report.tasks
+    assert not any("duck." in problem for problem in report.problems)
