@@ -81,10 +81,10 @@ def purge(app_or_urls: Any, prefix: str) -> list[str]:
     return backend_for(app_or_urls).purge(prefix)
 
 
-def node_errors(backend: Backend) -> list[tuple[str, str]]:
-    """``(url, error)`` for each lock node that cannot run a lock script right now, password
-    hidden; empty when every node answered."""
-    return [(url, error) for url, error in backend.check() if error is not None]
+def node_errors(manager: Backend) -> list[tuple[str, str]]:
+    """``(url, error)`` for each lock node of ``manager`` (a backend) that cannot run a lock
+    script right now, password hidden; empty when every node answered."""
+    return [(url, error) for url, error in manager.check() if error is not None]
 
 
 @dataclass
@@ -131,9 +131,11 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
         if str(exc) not in report.problems:
             report.problems.append(str(exc))
         tasks = dict(getattr(app, "_tasks", {}))  # those that could be created
-    # A SingletonTask (or a compat class) resolves its lock settings in _dlock(); looked up by
-    # that name, so that the operator functions do not depend on the Celery task layer.
-    singletons = sorted(n for n, t in tasks.items() if callable(getattr(type(t), "_dlock", None)))
+    # SingletonTask marks its classes (compat's included), so that the operator functions
+    # need not import the Celery task layer to tell them.
+    singletons = sorted(
+        n for n, t in tasks.items() if getattr(t, "_dlock_singleton", False) is True
+    )
     report.tasks = singletons
     try:
         beat_settings(app)

@@ -47,7 +47,7 @@ from celery_dlock.backend import Backend, PendingLease
 from celery_dlock.beat import mark_send
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
-from celery_dlock.holder import head_nonce
+from celery_dlock.holder import Holder, head_nonce
 from celery_dlock.lease import Lease
 from celery_dlock.signals import lock_contended
 
@@ -331,18 +331,15 @@ def queue_lock(
     ttl = task._queued_ttl(options) + _delay_of(options)
     running = None if early is not None else _running_lease(task, key, task_id)
     if running is not None:  # a retry of the running execution: the key goes with the message
-        if getattr(retrying, "keep", None) is running:
-            return Queued(None, None)  # ... unless the body goes on (retry(throw=False))
-        nonce = manager.hand_over(running, ttl)
-        return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
-    attempt = 0
+        return _pass_to_retry(manager, running, key, ttl)
+    first = early.pending if early is not None else None
     splits = 0
     revoked_checked = False
     while True:
-        attempt += 1
         try:
-            if early is not None and attempt == 1:
-                queued = early.pending.finish()
+            if first is not None:
+                sent, first = first, None  # only the first attempt is the one already sent
+                queued = sent.finish()
             else:
                 # No take-over, not even of a queued lock of this very task id: publishing
                 # an id again while its message waits is a duplicate like any other (merged),
@@ -369,23 +366,37 @@ def queue_lock(
                 revoked_checked = True
                 manager.release_nonce(key, holder.nonce)
                 continue
-            if len(_held_recently) > 1000:
-                _held_recently.clear()
-            _held_recently[key] = time.monotonic()
-            lock_contended.send(
-                sender=task,
-                key=key,
-                token=None,
-                task_id=task_id,
-                holder=holder,
-                policy="merge",
-                retry_in=None,
-            )
-            return Queued(None, holder.task_id)
+            return _merged(task, key, task_id, holder)
         manager.forget(queued)
         if early is not None:
             early.taken = True
         return Queued(key, None, head_nonce(queued.head))
+
+
+def _pass_to_retry(manager: Backend, running: Lease, key: str, ttl: float) -> Queued:
+    """The retry of the execution running in this thread is being published: its key passes
+    to the retry's message, unless the body goes on (``retry(throw=False)``)."""
+    if getattr(retrying, "keep", None) is running:
+        return Queued(None, None)
+    nonce = manager.hand_over(running, ttl)
+    return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
+
+
+def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
+    """This message is a duplicate of ``holder``'s task, which has ``key`` queued or running."""
+    if len(_held_recently) > 1000:
+        _held_recently.clear()
+    _held_recently[key] = time.monotonic()
+    lock_contended.send(
+        sender=task,
+        key=key,
+        token=None,
+        task_id=task_id,
+        holder=holder,
+        policy="merge",
+        retry_in=None,
+    )
+    return Queued(None, holder.task_id)
 
 
 #: Extra looks (at random delays up to 10 ms times the look's number) when Redlock

@@ -36,13 +36,13 @@ class LockGuard:
 
     def __init__(
         self,
-        backend: Backend,
+        manager: Backend,  # the name it always had: callers may pass it by keyword
         key: str,
         ttl: float,
         wait: float | None,
         options: dict[str, Any],
     ) -> None:
-        self._backend = backend
+        self._backend = manager
         self._key = key
         self._ttl = ttl
         self._wait = wait

@@ -22,6 +22,7 @@ Both are backend-neutral: a backend other than Redis fills them from its own rec
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import secrets
@@ -29,27 +30,28 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 from celery_dlock import forks
 
 NONCE_BYTES = 20
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class Holder:
     """The parsed value of a held lock, for errors, logs and the operator command.
 
-    Built as ``Holder(nonce, task_id, host, pid, since, fence)``; the older keywords
-    ``token=`` and ``holder=`` are still accepted, since errors written by earlier versions
-    (and callers' code) name them so.
+    Read the acquisition's random id as :attr:`nonce` and the holding task's id as
+    :attr:`task_id`. The fields themselves keep their first names, ``token`` and ``holder``
+    (what the lock value's JSON calls them): pickles, ``dataclasses.replace`` and ``asdict``
+    made by any version stay readable by every other.
     """
 
-    #: The random id of this acquisition (the value's ``"token"``): release and renewal match
-    #: it, so only this acquisition can extend or delete the key.
-    nonce: str
-    #: The id of the task holding the key (the value's ``"holder"``), or None outside a task.
-    task_id: str | None
+    #: The random id of this acquisition (:attr:`nonce`): release and renewal match it, so
+    #: only this acquisition can extend or delete the key. Not the fencing token (:attr:`fence`).
+    token: str
+    #: The id of the task holding the key (:attr:`task_id`), or None outside a task.
+    holder: str | None
     host: str
     pid: int
     since: float  # wall-clock seconds; display only, never used for validity
@@ -57,92 +59,25 @@ class Holder:
     queued: bool = False  # held by an enqueued message, not yet by a running execution
     task: str | None = None  # the task's name, when a task holds it
 
-    @overload
-    def __init__(
-        self,
-        nonce: str,
-        task_id: str | None,
-        host: str,
-        pid: int,
-        since: float,
-        fence: int,
-        queued: bool = False,
-        task: str | None = None,
-    ) -> None: ...
-
-    @overload
-    def __init__(
-        self,
-        *,
-        token: str,
-        holder: str | None,
-        host: str,
-        pid: int,
-        since: float,
-        fence: int,
-        queued: bool = False,
-        task: str | None = None,
-    ) -> None: ...
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        for old, new in _OLD_NAMES:
-            if old in kwargs:
-                if new in kwargs:
-                    raise TypeError(f"Holder() got both {new!r} and its older name {old!r}")
-                kwargs[new] = kwargs.pop(old)
-        for name, value in zip(_FIELDS, _fields(*args, **kwargs), strict=True):
-            object.__setattr__(self, name, value)
+    @property
+    def nonce(self) -> str:
+        """The acquisition's random id, which release and renewal match (field ``token``)."""
+        return self.token
 
     @property
-    def token(self) -> str:
-        """Older name of :attr:`nonce` (not the fencing token: that is :attr:`fence`)."""
-        return self.nonce
-
-    @property
-    def holder(self) -> str | None:
-        """Older name of :attr:`task_id`."""
-        return self.task_id
+    def task_id(self) -> str | None:
+        """The id of the task holding the key, or None outside a task (field ``holder``)."""
+        return self.holder
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as plain values (how an error carries its holder through a result backend).
-
-        Keyed by the older names (``token``, ``holder``): a process of an earlier version may
-        read them back.
-        """
-        return {
-            "token": self.nonce,
-            "holder": self.task_id,
-            "host": self.host,
-            "pid": self.pid,
-            "since": self.since,
-            "fence": self.fence,
-            "queued": self.queued,
-            "task": self.task,
-        }
+        """The fields as plain values (how an error carries its holder through a result backend)."""
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         who = f"task {self.task_id}" if self.task_id else "a process"
         if self.queued:
             return f"{who}, queued by {self.host} (pid {self.pid}, fencing token {self.fence})"
         return f"{who} on {self.host} (pid {self.pid}, fencing token {self.fence})"
-
-
-_OLD_NAMES = (("token", "nonce"), ("holder", "task_id"))
-_FIELDS = ("nonce", "task_id", "host", "pid", "since", "fence", "queued", "task")
-
-
-def _fields(
-    nonce: str,
-    task_id: str | None,
-    host: str,
-    pid: int,
-    since: float,
-    fence: int,
-    queued: bool = False,
-    task: str | None = None,
-) -> tuple[Any, ...]:
-    """Holder's arguments in field order; Python's own TypeError for a missing or unknown one."""
-    return nonce, task_id, host, pid, since, fence, queued, task
 
 
 def parse_value(raw: bytes | str | None) -> Holder | None:
@@ -152,8 +87,8 @@ def parse_value(raw: bytes | str | None) -> Holder | None:
     try:
         data = json.loads(raw)
         return Holder(
-            nonce=str(data["token"]),
-            task_id=None if data.get("holder") is None else str(data["holder"]),
+            token=str(data["token"]),
+            holder=None if data.get("holder") is None else str(data["holder"]),
             host=str(data.get("host", "?")),
             pid=int(data.get("pid", 0)),
             since=float(data.get("since", 0)) / 1000.0,
@@ -280,3 +215,8 @@ class LockInfo:
             "ttl_left": None if self.ttl_left is None else round(self.ttl_left, 3),
             "fence": holder.fence if holder else self.fence,
         }
+
+
+# Pickled under the module that first defined it (see celery_dlock/redlock.py), so that a
+# process of any version loads what another pickled.
+LockInfo.__module__ = "celery_dlock.redlock"

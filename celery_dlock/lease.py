@@ -49,7 +49,7 @@ class Lease:
 
     def __init__(
         self,
-        backend: LeaseBackend,
+        manager: LeaseBackend,  # the name it always had: callers may pass it by keyword
         key: str,
         token: int,
         head: str,
@@ -78,7 +78,7 @@ class Lease:
         #: Who the signals name as sender: the task holding this lease, or None.
         self.sender = sender
         #: The backend that issued this lease: it renews and releases it.
-        self.backend = backend
+        self.backend = manager
         self._head = head
         self._deadline = deadline
         self._lost: LockLost | None = None

@@ -154,6 +154,9 @@ else:
 class SingletonTask(_TaskBase):
     """Task base class: at most one execution per lock key at a time, cluster-wide."""
 
+    #: Marks SingletonTask classes for code that does not import this module (admin.check).
+    _dlock_singleton: ClassVar[bool] = True
+
     #: The lock key: None (task name + every argument), a list of argument names (task name +
     #: those), a template over argument names ("meta:{source}:{entity}", used as written), or
     #: a callable ``(args, kwargs) -> str`` (used as returned).

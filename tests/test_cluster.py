@@ -22,7 +22,9 @@ from celery_dlock import ConfigError, LockContended, LockUnavailable, lock
 from celery_dlock.holder import value_head
 from celery_dlock.redis import scripts
 from celery_dlock.redis.diagnose import acl_rules
-from celery_dlock.redis.redlock import LockManager, revoked_key, void_key
+from celery_dlock.redis.ending import void_key
+from celery_dlock.redis.inspection import revoked_key
+from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import free_port
 from tests.celery_fixtures import Mode, with_db

@@ -6,7 +6,8 @@ from the wire up: :mod:`.endpoints` (URLs, redis-py clients), :mod:`.scripts` (t
 :mod:`.nodes` (a node and its connections), :mod:`.failover` (Sentinel's announcements),
 :mod:`.transport` (one command to N nodes), :mod:`.cluster` (Cluster routing),
 :mod:`.diagnose` (what an error means), :mod:`.janitor` (deletes owed to silent nodes),
-:mod:`.decisions` (what replies decide), :mod:`.inspection` (the operator's reads and repairs).
+:mod:`.decisions` (what replies decide), :mod:`.ending` (release, hand-over), :mod:`.renewing`
+(renewal), :mod:`.inspection` (the operator's reads and repairs).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ class RedisNodes(Protocol):
     nodes: list[Node]
     quorum: int
     redlock: bool
+    cluster: bool
 
     def redis_keys(self, key: str) -> tuple[str, str, str]: ...
 

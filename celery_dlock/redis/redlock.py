@@ -18,8 +18,9 @@ floored at the server clock (see :data:`scripts.ACQUIRE`).
 Waiting: a contender blocks on a signal list (``BLPOP``) that every release pushes one element
 to, so a release wakes exactly one waiter, and a crashed holder's expiry bounds the wait.
 
-What the replies decide is in :mod:`celery_dlock.redis.decisions` (pure); the operator's reads and
-repairs are in :mod:`celery_dlock.redis.inspection`.
+What the replies decide is in :mod:`.decisions` (pure); how a lease ends (release, hand-over)
+in :mod:`.ending`; renewal in :mod:`.renewing`; the operator's reads and repairs in
+:mod:`.inspection`. This module acquires, waits, and is the :class:`Backend` they share.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.crc import key_slot
 from redis.exceptions import RedisError, ResponseError
 
 from celery_dlock.config import (
@@ -46,23 +46,21 @@ from celery_dlock.config import (
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.lease import Lease, LostCallback
-from celery_dlock.redis import decisions, inspection, nodes
+from celery_dlock.redis import decisions, ending, inspection, nodes, renewing
 from celery_dlock.redis.cluster import node_for
 from celery_dlock.redis.decisions import Refusal, ms
 from celery_dlock.redis.diagnose import describe
-from celery_dlock.redis.inspection import revoked_key
+from celery_dlock.redis.ending import void_key
 from celery_dlock.redis.janitor import janitor
 from celery_dlock.redis.nodes import Node, Reply
 from celery_dlock.redis.transport import (
     Deferred,
-    Resend,
     blocking_pop,
     run_script,
     send_deferred,
-    send_script,
 )
 from celery_dlock.renewal import watchdog
-from celery_dlock.signals import lock_acquired, lock_lost, lock_released
+from celery_dlock.signals import lock_acquired, lock_lost
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -73,16 +71,6 @@ SPLIT_RETRIES = 5
 #: Quick re-attempts (1, 2, 4, ... ms apart) by a woken waiter that still sees the holder whose
 #: release woke it, while that release reaches the other nodes.
 BATON_RETRIES = 8
-
-
-def _task_name(sender: Any) -> str | None:
-    name = getattr(sender, "name", None)
-    return name if isinstance(name, str) else None
-
-
-def void_key(lock_key: str, head: str) -> str:
-    """The marker that calls off one acquisition attempt (see scripts.VOID)."""
-    return f"{lock_key}:void:{head_nonce(head)}"
 
 
 @dataclass(frozen=True)
@@ -286,7 +274,9 @@ class LockManager:
         )
 
     def _head(self, request: _Request) -> str:
-        return value_head(request.holder, queued=request.queued, task=_task_name(request.sender))
+        return value_head(
+            request.holder, queued=request.queued, task=ending.task_name(request.sender)
+        )
 
     def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
         retention = request.retention_ms or self._retention_ms
@@ -397,28 +387,10 @@ class LockManager:
         late = [self.nodes[i] for i in decisions.silent(replies)]
         if fences:
             taken = [self.nodes[i] for i in fences]
-            undone = self._release_on(taken, keys, head, ttl, wake=False)
+            undone = ending.release_on(self, taken, keys, head, ttl, wake=False)
             late += [n for n, r in zip(taken, undone, strict=True) if isinstance(r, BaseException)]
         if late:
             self._void(late, keys, head, time.monotonic() + ttl)
-
-    def _release_on(
-        self,
-        nodes: Sequence[Node],
-        keys: tuple[str, str, str],
-        head: str,
-        ttl: float,
-        *,
-        wake: bool,
-    ) -> list[Reply]:
-        """Run the release script on ``nodes``; ``wake`` pushes a wake-up for one waiter."""
-        return run_script(
-            nodes,
-            "release",
-            (keys[0], keys[2]),
-            (head, ms(max(ttl, 0.001)), "1" if wake else "0", head_nonce(head)),
-            self.settings.node_timeout,
-        )
 
     def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
         """Write the token back to the quorum's counters; True if a majority recorded it."""
@@ -487,150 +459,30 @@ class LockManager:
         are read before this thread's next command) and returns False: for the end of a task,
         where the next task should not wait on a round trip that decides nothing for it.
         """
-        keys = self.redis_keys(lease.key)
-        with lease.io_lock:
-            lease.notice_expiry()
-            if not lease.set_released():
-                return False
-            watchdog.discard(lease)
-            until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
-            owed = [self.nodes[i] for i in lease._silent] if lease._silent else []
-            if not wait:
-                args = (lease.head, ms(lease.ttl), "1", head_nonce(lease.head))
-                # Sent again if it may have been lost with its connection: waking a waiter
-                # only if the key was still there (the first one may have landed).
-                resend: Resend = (
-                    "release",
-                    (keys[0], keys[2]),
-                    (args[0], args[1], "2", args[3]),
-                    until,
-                )
-                owed += send_script(self.nodes, "release", (keys[0], keys[2]), args, resend)
-                replies: list[Reply] = []
-            else:
-                replies = self._release_on(self.nodes, keys, lease.head, lease.ttl, wake=True)
-                if any(isinstance(r, BaseException) for r in replies):
-                    owed += [
-                        n for n, r in zip(self.nodes, replies, strict=True) if decisions.failed(r)
-                    ]
-            if owed:
-                # Each node the release did not reach, or that may still run a stale acquire
-                # or renewal of this lease, gets its delete from the janitor until it lands.
-                late_keys, late_args = self._late_release(lease, keys)
-                janitor.release(list(dict.fromkeys(owed)), late_keys, late_args, until, lease.ttl)
-        confirmed = sum(1 for r in replies if r == 1) >= self.quorum if wait else None
-        lock_released.send(
-            sender=lease.sender,
-            key=lease.key,
-            token=lease.token,
-            task_id=lease.holder,
-            held_for=time.monotonic() - lease.acquired_at,
-            confirmed=confirmed,
-        )
-        if confirmed is None:
-            return False
-        failed = [
-            f"{node.shown} ({describe(r, node)})"
-            for node, r in zip(self.nodes, replies, strict=True)
-            if isinstance(r, BaseException)
-        ]
-        if failed:
-            log_release.warning(
-                "release of key=%s token=%s failed on %s; retried in the background, it "
-                "expires there within %g s",
-                lease.key,
-                lease.token,
-                ", ".join(failed),
-                lease.ttl,
-            )
-        else:
-            log_release.debug("released key=%s token=%s", lease.key, lease.token)
-        return confirmed
-
-    def _late_release(
-        self, lease: Lease, keys: tuple[str, str, str]
-    ) -> tuple[tuple[str, str, str, str], tuple[Any, ...]]:
-        """Keys and arguments of scripts.RELEASE_LATE for ``lease``."""
-        nonce = head_nonce(lease.head)
-        late_keys = (keys[0], void_key(keys[0], lease.head), revoked_key(keys[0], nonce), keys[2])
-        return late_keys, (lease.head, ms(lease.ttl), ms(lease.ttl), nonce)
+        return ending.release(self, lease, wait=wait)
 
     def hand_over(self, lease: Lease, ttl: float) -> str | None:
-        """Turn ``lease`` into the queued lock of its own task's next message (a retry).
-
-        The key keeps its fencing token and passes, without a gap, to the execution of that
-        message (which takes it over). The lease itself ends here: no more renewal, no release.
-        Returns the queued lock's acquisition nonce (for the message to carry) when a quorum
-        confirmed; None means the lease was no longer held.
-        """
-        queued_head = value_head(lease.holder, queued=True, task=_task_name(lease.sender))
-        with lease.io_lock:
-            if not lease.set_released():
-                return None
-            watchdog.discard(lease)
-            replies = run_script(
-                self.nodes,
-                "handover",
-                (self.redis_keys(lease.key)[0],),
-                (lease.head, queued_head, lease.token, ms(ttl)),
-                self.settings.node_timeout,
-            )
-        done = sum(1 for r in replies if r == 1)
-        log_release.debug("handed key=%s over to the queued retry of %s", lease.key, lease.holder)
-        return head_nonce(queued_head) if done >= self.quorum else None
+        """Turn ``lease`` into the queued lock of its own task's next message (a retry): the
+        queued lock's nonce when a quorum confirmed, None when the lease was no longer held."""
+        return ending.hand_over(self, lease, ttl)
 
     def forget(self, lease: Lease) -> None:
         """Drop a lease this process will neither renew nor release (a queued lock, a beat
         tick key): its key lives out its ttl, or passes to whoever takes it over."""
-        lease.set_released()
-        watchdog.discard(lease)  # watched if someone listens for losses
+        ending.forget(lease)
 
     def release_by_task(self, key: str, task_id: str) -> bool:
-        """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition of it holds it.
-
-        For operators and one-shot keys (beat's tick keys). A task id can name more than one
-        execution (a redelivered copy, a retry), so releases on a task's behalf name the
-        acquisition instead (:meth:`release_nonce`). True if the key was deleted on a quorum.
-        The holder's next renewal then reports the lease lost.
-        """
-        key = check_key(key)
-        keys = self.redis_keys(key)
-        replies = run_script(
-            self.nodes,
-            "release_holder",
-            (keys[0], keys[2]),
-            (task_id, ms(self.settings.ttl)),
-            self.settings.node_timeout,
-        )
-        deleted = sum(1 for r in replies if r == 1)
-        if deleted:
-            log_release.info("released key=%s held by %s on %d node(s)", key, task_id, deleted)
-        return deleted >= self.quorum
+        """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition (operators,
+        one-shot keys); True if deleted on a quorum. See :func:`.ending.release_by_task`."""
+        return ending.release_by_task(self, key, task_id)
 
     #: Older name of :meth:`release_by_task`.
     release_by_holder = release_by_task
 
     def release_nonce(self, key: str, nonce: str) -> bool:
-        """Delete ``key`` if the acquisition named by ``nonce`` holds it.
-
-        For whoever knows an acquisition has ended without releasing (the parent worker
-        process of a pool process that died holding it) or will never run (a queued message
-        discarded before it ran). True if the key was deleted on a quorum; a key held by any
-        other acquisition, of whatever task, is left alone.
-        """
-        key = check_key(key)
-        keys = self.redis_keys(key)
-        replies = run_script(
-            self.nodes,
-            "release_nonce",
-            (keys[0], keys[2]),
-            (nonce, ms(self.settings.ttl)),
-            self.settings.node_timeout,
-        )
-        n = sum(1 for r in replies if r == 1)
-        if n:
-            log_release.info("released key=%s (acquisition %s…) on %d node(s)", key, nonce[:6], n)
-        return n >= self.quorum
+        """Delete ``key`` if the acquisition named by ``nonce`` holds it; True if deleted on a
+        quorum. See :func:`.ending.release_nonce`."""
+        return ending.release_nonce(self, key, nonce)
 
     # -- inspect and repair (the operator's; see celery_dlock.redis.inspection) ------------------
 
@@ -673,62 +525,9 @@ class LockManager:
     # -- renew (called by the watchdog) ----------------------------------------------------
 
     def renew(self, leases: Sequence[Lease]) -> list[str | None]:
-        """Extend every lease in one script call per node (per hash slot on Redis Cluster).
-
-        Returns, per lease, ``None`` when renewed or undecided (nodes did not answer; the
-        watchdog retries until the lease's validity runs out), or the reason it is lost.
-        """
-        if not self.cluster:
-            return self._renew_batch(leases)
-        # A script may touch one slot only: one call per slot, in turn, each bounded by the
-        # validity of its own leases.
-        by_slot: dict[int, list[int]] = {}
-        for i, lease in enumerate(leases):
-            by_slot.setdefault(key_slot(self.redis_keys(lease.key)[0].encode()), []).append(i)
-        out: list[str | None] = [None] * len(leases)
-        for group in by_slot.values():
-            outcomes = self._renew_batch([leases[i] for i in group])
-            for i, outcome in zip(group, outcomes, strict=True):
-                out[i] = outcome
-        return out
-
-    def _renew_batch(self, leases: Sequence[Lease]) -> list[str | None]:
-        """:meth:`renew` for leases whose keys one script call may touch together."""
-        keys: list[str] = []
-        args: list[Any] = ["1" if self.redlock else "0", self._retention_ms]
-        for lease in leases:
-            lock_key, fence_key, _ = self.redis_keys(lease.key)
-            keys += (lock_key, fence_key, revoked_key(lock_key, head_nonce(lease.head)))
-            args += (lease.head, ms(lease.ttl), lease.token)
-        started = time.monotonic()
-        timeout = max(0.001, min(self.settings.node_timeout, *(x.valid_for for x in leases)))
-        replies = run_script(self.nodes, "extend", keys, args, timeout)
-        failed = [
-            (n, r) for n, r in zip(self.nodes, replies, strict=True) if isinstance(r, BaseException)
-        ]
-        silent = decisions.silent(replies) if failed else None
-        if silent:  # a late renewal there could re-take a released key: the release voids it
-            for lease in leases:
-                lease._silent = silent if lease._silent is None else lease._silent | silent
-        if failed:
-            log_renew.warning(
-                "renewal: %d of %d node(s) did not answer: %s: %s",
-                len(failed),
-                len(self.nodes),
-                failed[0][0].shown,
-                describe(failed[0][1], failed[0][0]),
-            )
-        out: list[str | None] = []
-        for j, lease in enumerate(leases):
-            codes = [None if isinstance(r, BaseException) else int(r[j]) for r in replies]
-            verdict = decisions.renewal(codes, self.quorum, self.redlock)
-            if verdict.renewed:
-                lease.renewed(
-                    started, started + lease.ttl - drift(lease.ttl, self.settings.drift_factor)
-                )
-            # lost None and not renewed: it might still hold; retried before validity runs out
-            out.append(verdict.lost)
-        return out
+        """Extend every lease; per lease ``None`` when renewed or undecided, or why it is lost
+        (:func:`.renewing.renew`)."""
+        return renewing.renew(self, leases)
 
     def close(self) -> None:
         for node in self.nodes:

@@ -1,0 +1,81 @@
+"""Renewing Redis leases: one script call per node for every lease the watchdog found due
+(one per hash slot on Redis Cluster), and what each node's answer means for each lease.
+
+:class:`~.redlock.LockManager` calls it for :meth:`celery_dlock.backend.Backend.renew`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.crc import key_slot
+
+from celery_dlock.config import drift
+from celery_dlock.holder import head_nonce
+from celery_dlock.lease import Lease
+from celery_dlock.redis import decisions
+from celery_dlock.redis.decisions import ms
+from celery_dlock.redis.diagnose import describe
+from celery_dlock.redis.inspection import RedisNodes, revoked_key
+from celery_dlock.redis.transport import run_script
+
+log_renew = logging.getLogger("celery_dlock.renew")
+
+
+def renew(m: RedisNodes, leases: Sequence[Lease]) -> list[str | None]:
+    """Extend every lease in one script call per node (per hash slot on Redis Cluster).
+
+    Returns, per lease, ``None`` when renewed or undecided (nodes did not answer; the
+    watchdog retries until the lease's validity runs out), or the reason it is lost.
+    """
+    if not m.cluster:
+        return renew_batch(m, leases)
+    # A script may touch one slot only: one call per slot, in turn, each bounded by the
+    # validity of its own leases.
+    by_slot: dict[int, list[int]] = {}
+    for i, lease in enumerate(leases):
+        by_slot.setdefault(key_slot(m.redis_keys(lease.key)[0].encode()), []).append(i)
+    out: list[str | None] = [None] * len(leases)
+    for group in by_slot.values():
+        outcomes = renew_batch(m, [leases[i] for i in group])
+        for i, outcome in zip(group, outcomes, strict=True):
+            out[i] = outcome
+    return out
+
+
+def renew_batch(m: RedisNodes, leases: Sequence[Lease]) -> list[str | None]:
+    """:func:`renew` for leases whose keys one script call may touch together."""
+    keys: list[str] = []
+    args: list[Any] = ["1" if m.redlock else "0", ms(m.settings.fence_retention)]
+    for lease in leases:
+        lock_key, fence_key, _ = m.redis_keys(lease.key)
+        keys += (lock_key, fence_key, revoked_key(lock_key, head_nonce(lease.head)))
+        args += (lease.head, ms(lease.ttl), lease.token)
+    started = time.monotonic()
+    timeout = max(0.001, min(m.settings.node_timeout, *(x.valid_for for x in leases)))
+    replies = run_script(m.nodes, "extend", keys, args, timeout)
+    failed = [(n, r) for n, r in zip(m.nodes, replies, strict=True) if isinstance(r, BaseException)]
+    silent = decisions.silent(replies) if failed else None
+    if silent:  # a late renewal there could re-take a released key: the release voids it
+        for lease in leases:
+            lease._silent = silent if lease._silent is None else lease._silent | silent
+    if failed:
+        log_renew.warning(
+            "renewal: %d of %d node(s) did not answer: %s: %s",
+            len(failed),
+            len(m.nodes),
+            failed[0][0].shown,
+            describe(failed[0][1], failed[0][0]),
+        )
+    out: list[str | None] = []
+    for j, lease in enumerate(leases):
+        codes = [None if isinstance(r, BaseException) else int(r[j]) for r in replies]
+        verdict = decisions.renewal(codes, m.quorum, m.redlock)
+        if verdict.renewed:
+            lease.renewed(started, started + lease.ttl - drift(lease.ttl, m.settings.drift_factor))
+        # lost None and not renewed: it might still hold; retried before validity runs out
+        out.append(verdict.lost)
+    return out
