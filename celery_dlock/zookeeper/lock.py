@@ -106,8 +106,8 @@ def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
     try:
         data = json.loads(raw or b"")
         return Holder(
-            nonce=str(data["token"]),
-            task_id=None if data.get("holder") is None else str(data["holder"]),
+            token=str(data["token"]),
+            holder=None if data.get("holder") is None else str(data["holder"]),
             host=str(data.get("host", "?")),
             pid=int(data.get("pid", 0)),
             since=float(data.get("since", 0)) / 1000.0,
