@@ -495,31 +495,35 @@ class KeyWatch:
     def __init__(self, url: str, key: str) -> None:
         self.redis_key = f"dlock:{{{key}}}"
         self.client = client(url)
-        self.samples: list[tuple[float, Holder | None]] = []
+        # (sent, answered, holder): a GET sent before the key freed can be answered after the
+        # test saw it free, so "a sample after seen_free" must go by the time it was sent.
+        self.samples: list[tuple[float, float, Holder | None]] = []
         self.running = True
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while self.running:
+            sent = time.monotonic()
             raw = self.client.get(self.redis_key)
-            self.samples.append((time.monotonic(), parse_value(raw)))
+            self.samples.append((sent, time.monotonic(), parse_value(raw)))
             time.sleep(0.002)
 
     def ever(self, mine: Callable[[Holder], bool]) -> bool:
-        return any(h is not None and mine(h) for _, h in list(self.samples))
+        return any(h is not None and mine(h) for _, _, h in list(self.samples))
 
     def freed_after(self, mine: Callable[[Holder], bool], seen_free: float) -> float | None:
         """The first moment the key was seen not held by ``mine`` after it last was; waits
-        for a sample taken after ``seen_free`` (when the test saw the key free itself)."""
+        for a sample sent after ``seen_free`` (when the test saw the key free itself)."""
         deadline = time.monotonic() + 5
         while not self.samples or self.samples[-1][0] <= seen_free:
             assert time.monotonic() < deadline, "the key watch stopped sampling"
             time.sleep(0.002)
         samples = list(self.samples)
-        last = max((i for i, (_, h) in enumerate(samples) if h is not None and mine(h)), default=-1)
+        held = [i for i, (_, _, h) in enumerate(samples) if h is not None and mine(h)]
+        last = held[-1] if held else -1
         following = samples[last + 1 :]
-        return following[0][0] if following else None
+        return following[0][1] if following else None
 
     def stop(self) -> None:
         self.running = False

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import os
 import pickle
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from celery_dlock import Holder, LockContended
-
-ROOT = Path(__file__).resolve().parent.parent
-OLD = "205c5681d4e2bb115e59eba0364824f791f0d67e"
+from tests.old_tree import unpack
 
 # What 205c568 pickled for
 #   Holder(token="n1", holder="tid", host="h", pid=1, since=2.0, fence=3)
@@ -46,18 +42,7 @@ OLD_CONTENDED_PICKLE = base64.b64decode(
 @pytest.fixture(scope="session")
 def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The package as of 205c568, unpacked from git (skip when the clone lacks the commit)."""
-    try:
-        blob = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", OLD, "celery_dlock"],
-            check=True,
-            capture_output=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"{OLD[:7]} is not in this clone")
-    where = tmp_path_factory.mktemp("old205")
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(where)
-    return where
+    return unpack(tmp_path_factory, "old205", "celery_dlock")
 
 
 def run_with(tree: Path, code: str, stdin: bytes = b"") -> bytes:

@@ -7,11 +7,9 @@ The old worker runs ``tests.worker_app`` (unchanged by the refactor) from ``git 
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
-import tarfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -23,30 +21,18 @@ import pytest
 from celery_dlock import LockContended
 from tests.celery_fixtures import Mode, make_mode
 from tests.clients import client
+from tests.old_tree import run_old, unpack
 from tests.workers import Beat, Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
-OLD = "205c5681d4e2bb115e59eba0364824f791f0d67e"
 OLD_Q = "rolling_old_q"
 NEW_Q = "rolling_new_q"
 
 
 @pytest.fixture(scope="module")
 def old_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        blob = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", OLD, "celery_dlock", "tests"],
-            check=True,
-            capture_output=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"{OLD[:7]} is not in this clone")
-    where = tmp_path_factory.mktemp("old205-tree")
-    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-        tar.extractall(where)
-    return where
+    return unpack(tmp_path_factory, "old205-tree", "celery_dlock", "tests")
 
 
 class OldWorker(Worker):
@@ -96,17 +82,7 @@ def new_worker(mode: Mode, wa: Any) -> Iterator[Worker]:
 
 def old_publish(old_root: Path, mode: Mode, code: str) -> str:
     """Run ``code`` with 205c568's tests.worker_app imported as ``wa``; its stdout."""
-    env = {**os.environ, **mode.env, "PYTHONPATH": str(old_root)}
-    done = subprocess.run(
-        [sys.executable, "-c", f"from tests import worker_app as wa\n{code}"],
-        env=env,
-        cwd=old_root,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    return done.stdout.decode().strip()
+    return run_old(old_root, mode.env, f"from tests import worker_app as wa\n{code}")
 
 
 def _lock_keys(mode: Mode) -> list[bytes]:
@@ -220,17 +196,7 @@ PARKED_Q = "rolling_compat_parked_q"  # no worker reads it: its messages stay qu
 
 
 def old_compat(old_root: Path, compat_mode: Mode, code: str) -> str:
-    env = {**os.environ, **compat_mode.env, "PYTHONPATH": str(old_root)}
-    done = subprocess.run(
-        [sys.executable, "-c", f"from tests import compat_app as ca\n{code}"],
-        env=env,
-        cwd=old_root,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    return done.stdout.decode().strip()
+    return run_old(old_root, compat_mode.env, f"from tests import compat_app as ca\n{code}")
 
 
 @pytest.fixture(scope="module")

@@ -173,19 +173,7 @@ def release_by_task(m: RedisNodes, key: str, task_id: str) -> bool:
     acquisition instead (:meth:`release_nonce`). True if the key was deleted on a quorum.
     The holder's next renewal then reports the lease lost.
     """
-    key = check_key(key)
-    keys = m.redis_keys(key)
-    replies = run_script(
-        m.nodes,
-        "release_holder",
-        (keys[0], keys[2]),
-        (task_id, ms(m.settings.ttl)),
-        m.settings.node_timeout,
-    )
-    deleted = sum(1 for r in replies if r == 1)
-    if deleted:
-        log_release.info("released key=%s held by %s on %d node(s)", key, task_id, deleted)
-    return deleted >= m.quorum
+    return _release_matching(m, key, "release_holder", task_id, f"held by {task_id}")
 
 
 def release_nonce(m: RedisNodes, key: str, nonce: str) -> bool:
@@ -196,16 +184,18 @@ def release_nonce(m: RedisNodes, key: str, nonce: str) -> bool:
     discarded before it ran). True if the key was deleted on a quorum; a key held by any
     other acquisition, of whatever task, is left alone.
     """
+    return _release_matching(m, key, "release_nonce", nonce, f"(acquisition {nonce[:6]}…)")
+
+
+def _release_matching(m: RedisNodes, key: str, script: str, match: str, shown: str) -> bool:
+    """Run ``script`` (a release by task id or by nonce, ``match``) on every node; True if
+    the key was deleted on a quorum. ``shown`` names the holder in the log line."""
     key = check_key(key)
     keys = m.redis_keys(key)
     replies = run_script(
-        m.nodes,
-        "release_nonce",
-        (keys[0], keys[2]),
-        (nonce, ms(m.settings.ttl)),
-        m.settings.node_timeout,
+        m.nodes, script, (keys[0], keys[2]), (match, ms(m.settings.ttl)), m.settings.node_timeout
     )
-    n = sum(1 for r in replies if r == 1)
-    if n:
-        log_release.info("released key=%s (acquisition %s…) on %d node(s)", key, nonce[:6], n)
-    return n >= m.quorum
+    deleted = sum(1 for r in replies if r == 1)
+    if deleted:
+        log_release.info("released key=%s %s on %d node(s)", key, shown, deleted)
+    return deleted >= m.quorum
