@@ -90,12 +90,9 @@ def test_bad_url_hides_the_password() -> None:
     assert "topsecret" not in str(caught.value)
 
 
-def test_bad_prefix_and_queued_locks_are_refused_with_the_fix() -> None:
+def test_bad_prefix_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="dlock_prefix 'a/b' cannot name a ZooKeeper node"):
         ZooKeeperBackend("zookeeper://h1/x", prefix="a/b")
-    backend = ZooKeeperBackend("zookeeper://h1/x")
-    with pytest.raises(ConfigError, match="not yet supported on ZooKeeper"):
-        backend.acquire("k", queued=True, holder="task-1")
 
 
 def test_a_zookeeper_url_in_settings_makes_this_backend() -> None:

@@ -1,35 +1,95 @@
-"""Leases on a ZooKeeper ensemble: the lock recipe with ephemeral sequential nodes.
+"""Leases on a ZooKeeper ensemble: the lock recipe with sequential nodes, and timed nodes for
+the locks that must outlive the session that made them.
 
 The recipe (https://zookeeper.apache.org/doc/current/recipes.html#sc_recipes_Locks): each
-contender creates an *ephemeral sequential* node under the key's parent node; the lowest
-sequence number holds the lock; a waiter watches only the node just before its own (no herd
-effect: a release wakes one waiter), so waiters are admitted in arrival (FIFO) order. ::
+contender creates a *sequential* node under the key's parent node; the first node in line
+holds the lock; a waiter watches only the node just before its own (no herd effect: a release
+wakes one waiter), so waiters are admitted in arrival (FIFO) order. ::
 
-    <chroot>/<prefix>/<quoted key>/<nonce>-0000000042   data: the holder's identity (JSON)
+    <chroot>/<prefix>/<quoted key>/<nonce>-0000000042      a session node
+    <chroot>/<prefix>/<quoted key>/<nonce>~t~q<task>-0000000043   a timed (queued) node
+
+Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order is a node's
+*order*, its own sequence number unless it inherited one (below).
 
 * **Cost.** The create and the listing of the parent are sent back to back on the session's
   connection, which ZooKeeper answers in order, so the listing already shows our node: taking a
   free key is one create and one list in one round trip; a refusal (``wait=0``) adds the read
   of the holder's identity and the delete of our node, again in one round trip.
+* **Session nodes** (ephemeral) are what :meth:`ZooKeeperBackend.acquire` takes: the lease
+  lasts as long as the session, and its validity follows the session (:class:`ZkLease`).
+* **Timed nodes** (persistent) hold a key for a ttl whatever becomes of the process that made
+  them: a queued lock (``lock_on="enqueue"``: :meth:`ZooKeeperBackend.send_queued`, and
+  ``acquire(queued=True)``), a retry's lock handed over (:meth:`ZooKeeperBackend.hand_over`),
+  a forgotten lease such as a beat tick key (:meth:`ZooKeeperBackend.forget`). A timed node
+  ends on the ZooKeeper leader's clock: its data holds ``ttl`` (and may hold ``from``), and it
+  has expired once a *fresh stamp of the leader's clock* is at least ``from`` (default: its own
+  ``ctime``) plus ``ttl``. ``ctime``/``mtime`` are the time the leader's request processor
+  stamped on the write's transaction header when it prepared it (``PrepRequestProcessor``:
+  ``new TxnHeader(..., zxid, Time.currentWallTime(), ...)``, and ``DataTree.createStat(zxid,
+  hdr.getTime(), ...)``; followers forward writes to the leader, so every server stores the
+  same stamp). A fresh stamp is the ``ctime`` of the contender's own node created in the same
+  round trip as its listing, or the ``mtime`` of a write made for the purpose (an empty
+  ``setData`` on the key's parent). Nobody deletes a timed node early, because nobody reads a
+  local clock to decide: a contender that finds an expired timed node deletes it
+  (version-checked) and looks again; a waiter queued behind a timed node reads its remaining
+  life (``from + ttl`` minus the fresh stamp), sleeps that long counted from when the stamp's
+  reply *arrived* (so it wakes late, not early), then takes a new stamp and checks again. The
+  process that made a forgotten node also deletes it at its expiry if it is still alive; an
+  expired node nobody deleted is deleted by the key's next contender, or by an operator's
+  ``celery dlock`` inspection of the key. Clock assumption (the same as a Redis key's ttl,
+  which runs on the master's clock): the leader's wall clock runs at the rate of real time
+  (within the drift factor) and is not stepped; across a leader change between the two stamps
+  (the zxid's epoch, its high 32 bits, changes) the old and new leaders' clocks must agree
+  (NTP), else the expiry comes early or late by their difference. ZooKeeper's own TTL nodes
+  were not used: they need ``extendedTypesEnabled`` on every server, and the server deletes
+  them lazily (a check every minute by default), holding the key that long past its ttl.
+* **Replacements keep the key's place in line.** A hand-over (the holder's node becomes its
+  retry's queued lock), an adoption (a worker starting a queued task takes over its queued
+  lock) and a forget (a session node becomes timed) are each ONE multi-op transaction: create
+  the replacement, ``setData`` the replaced node, delete it. The replacement's name carries
+  ``~o<order>``, the replaced node's order, so it sorts exactly where the replaced node was;
+  nobody can be admitted in between, because the replaced node is gone only when the
+  replacement exists. The ``setData`` is there for the waiter right behind: its watch on the
+  replaced node then fires as a *change*, not a deletion, so it lists the children again and
+  watches the replacement, instead of taking the deletion as its turn (a waiter admits itself
+  without listing again only on a deletion, see :meth:`ZooKeeperBackend._queue`).
+* **Adoption.** A worker's acquisition for task ``T`` (``takeover=T``) that finds the first
+  node in line to be ``T``'s queued lock (its name carries ``~q`` and the hash of ``T``, so a
+  plain listing shows it) replaces that node and its own new node with one session node in
+  the queued lock's place. A non-matching acquisition waits behind it or is refused, naming
+  the queued task, whose duplicates are thus merged into it. A queued lock is adopted even if
+  its ttl ran out unnoticed (nobody deleted it yet): the task it was queued for is running.
 * **Fencing token** = the lock node's ``czxid``, the id of the transaction that created it.
   ZooKeeper's leader stamps every write with a zxid (epoch in the high 32 bits, a counter in
   the low 32) and every server applies writes in zxid order, so zxids strictly increase across
   the whole ensemble, through leader changes (a new leader starts a higher epoch)
   (https://zookeeper.apache.org/doc/current/zookeeperInternals.html#sc_guaranteesPropertiesDefinitions).
-  Holders of a key hold it in sequence-number order, which is creation order, so each holder's
-  token exceeds every earlier holder's. It does not survive wiping the ensemble's data.
+  Holders of a key hold it in line order, and a node is first in line only after every node
+  created before it that was ahead of it is gone; a replacement is created by a later
+  transaction than the node it replaces. So each holder's token exceeds every earlier
+  holder's, timed or not. A queued lock reports its own timed node's ``czxid``; the
+  execution that adopts it reports its replacement's (the transaction's zxid: every operation
+  of a multi shares it), larger. A hand-over therefore does not keep the token as Redis does:
+  the retry's queued lock, then its execution, each get a larger one, which keeps the promise
+  (strictly increasing per key). It does not survive wiping the ensemble's data.
 * **Identity.** The node's data is one line of JSON (the random nonce, task id, task name,
-  host, pid, start time, queued flag) that ``celery dlock`` reads; the nonce also prefixes the
-  node's name, so a create whose reply was lost is found again (the recipe's "recoverable
-  errors" advice) and an operator's release names one acquisition.
+  host, pid, start time, queued flag; a timed node's ttl) that ``celery dlock`` reads; the
+  nonce also prefixes the node's name, so a create whose reply was lost is found again (the
+  recipe's "recoverable errors" advice) and an operator's release names one acquisition.
 * **Loss.** The holder watches its own node: a delete by anyone else (``celery dlock
   release``) reports the lease lost. Validity follows the session (:class:`ZkLease`); session
-  states map onto it as described in :mod:`celery_dlock.zookeeper.session`.
+  states map onto it as described in :mod:`celery_dlock.zookeeper.session`. A lease on a timed
+  node is valid for its ttl (minus the drift allowance, counted from before its create was
+  sent), whatever the session does.
+* **Parents.** A key's parent node is a *container* node (ZooKeeper 3.5.3+): the servers
+  delete it once its last child is gone (checked every ``znode.container.checkIntervalMs``,
+  a minute by default), so keys used once do not accumulate parents. A contender whose create
+  finds the parent gone creates it again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import socket
@@ -37,12 +97,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.protocol.serialization import Create2
 from kazoo.protocol.states import EventType, WatchedEvent, ZnodeStat
+from kazoo.security import OPEN_ACL_UNSAFE
 
 from celery_dlock import forks
 from celery_dlock.config import (
@@ -56,22 +118,39 @@ from celery_dlock.config import (
     drift,
 )
 from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.holder import Holder, LockInfo
+from celery_dlock.holder import Holder, LockInfo, head_nonce
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_released
 from celery_dlock.zookeeper.lease import ZkLease
+from celery_dlock.zookeeper.nodes import (
+    SEQ_DIGITS,
+    NodeName,
+    expires_ms,
+    identity,
+    in_line,
+    parse_name,
+    read_holder,
+    task_hash,
+    timed_data,
+)
+from celery_dlock.zookeeper.nodes import prefix as node_prefix
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE, SharedClient, shared
 from celery_dlock.zookeeper.url import ZkUrl, parse
 
+__all__ = ["SEQ_DIGITS", "NodeLease", "ZooKeeperBackend", "identity", "read_holder"]
+
 log = logging.getLogger("celery_dlock.zookeeper")
 
-#: Digits ZooKeeper appends to a sequential node's name.
-SEQ_DIGITS = 10
+#: ZooKeeper's CreateMode.CONTAINER flag.
+CONTAINER = 4
 
 
-def _seq(name: str) -> int:
-    return int(name[-SEQ_DIGITS:])
+class _CreateContainer(Create2):  # type: ignore[misc]  # kazoo is untyped
+    """ZooKeeper's ``createContainer`` request (opcode 19; kazoo has no call for it): the
+    same fields and reply as ``create2``."""
+
+    type = 19
 
 
 def _node_name(key: str) -> str:
@@ -85,38 +164,60 @@ def _task_name(sender: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def identity(
-    nonce: str, holder: str | None, *, queued: bool = False, task: str | None = None
-) -> str:
-    """The JSON a lock node holds (the same fields as a Redis lock value, fence excepted:
-    the fence is the node's czxid, known only once the node exists)."""
-    data: dict[str, Any] = {"token": nonce, "holder": holder}
-    if queued:
-        data["queued"] = True
-    if task is not None:
-        data["task"] = task
-    data["host"] = socket.gethostname()
-    data["pid"] = forks.pid()
-    data["since"] = int(time.time() * 1000)
-    return json.dumps(data, separators=(",", ":"))
+def _failed(results: Sequence[Any]) -> BaseException | None:
+    """The error of a multi-op transaction's results (kazoo returns them, not raises)."""
+    for result in results:
+        if isinstance(result, BaseException):
+            return result
+    return None
 
 
-def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
-    """A lock node's data and stat as a :class:`Holder` (fence = czxid); None if unreadable."""
-    try:
-        data = json.loads(raw or b"")
-        return Holder(
-            token=str(data["token"]),
-            holder=None if data.get("holder") is None else str(data["holder"]),
-            host=str(data.get("host", "?")),
-            pid=int(data.get("pid", 0)),
-            since=float(data.get("since", 0)) / 1000.0,
-            fence=int(stat.czxid),
-            queued=data.get("queued") is True,
-            task=None if data.get("task") is None else str(data["task"]),
-        )
-    except (ValueError, KeyError, TypeError):
-        return None
+class NodeLease(ZkLease):
+    """A lease on one lock node, with what :meth:`ZooKeeperBackend.forget` and
+    :meth:`ZooKeeperBackend.hand_over` need: when the node was made, on the leader's clock
+    (``ctime_ms``), whether the acquisition waited in line, and whether the node is timed
+    (then the lease is valid for its ttl, not for as long as the session)."""
+
+    def __init__(
+        self, backend: Any, path: str, *, ctime_ms: int, waited: bool, timed: bool, **kwargs: Any
+    ) -> None:
+        self.ctime_ms = ctime_ms
+        self.waited = waited
+        self.timed = timed
+        super().__init__(backend, path, **kwargs)
+
+    def suspend(self, until: float) -> None:
+        if not self.timed:  # a timed node does not end with the session
+            super().suspend(until)
+
+    def resume(self) -> None:
+        if not self.timed:
+            super().resume()
+
+    def _expiry_reason(self) -> str:
+        if self.timed:
+            return f"its validity ran out (ttl {self.ttl:g} s on a timed node, not renewed)"
+        return super()._expiry_reason()
+
+
+class _Won(NamedTuple):
+    """Where an acquisition ended up first in line."""
+
+    path: str
+    czxid: int
+    ctime_ms: int
+    proven: float  # when the request that proved it (and the session) was sent
+    waited: bool
+    guard: _Guard
+
+
+class _Entered(NamedTuple):
+    """Our node, and the listing of its parent sent right after its create."""
+
+    path: str
+    stat: ZnodeStat
+    received: float  # when the create's reply arrived (its ctime is the leader's "now")
+    children: list[str]
 
 
 class _Guard:
@@ -214,6 +315,80 @@ class _Guard:
         )
 
 
+class _Attempt:
+    """One acquisition under way: its node's create and the parent's listing, sent together
+    and not yet read (so :meth:`ZooKeeperBackend.send_queued` can return before the replies)."""
+
+    def __init__(
+        self,
+        backend: ZooKeeperBackend,
+        key: str,
+        ttl: float,
+        holder: str | None,
+        *,
+        timed: bool,
+        queued: bool,
+        sender: Any,
+    ) -> None:
+        self.session, self.client = backend._client()
+        self.key = key
+        self.ttl = ttl
+        self.holder = holder
+        self.timed = timed
+        self.queued = queued
+        self.sender = sender
+        self.nonce = secrets.token_urlsafe(15)
+        self.parent = backend.parent(key)
+        self.data = identity(
+            self.nonce,
+            holder,
+            queued=queued,
+            task=_task_name(sender),
+            ttl=ttl if timed else None,
+        ).encode()
+        self.name_prefix = node_prefix(self.nonce, timed=timed, task=holder if queued else None)
+        self.guard = _Guard(self.client, self.session)
+        self.begun = time.monotonic()
+        self.created: Any = None
+        self.listing: Any = None
+        self.send()
+
+    def send(self) -> None:
+        """Send our node's create and the parent's listing, back to back."""
+        self.created = self.client.create_async(
+            f"{self.parent}/{self.name_prefix}",
+            self.data,
+            acl=self.session.acl,
+            ephemeral=not self.timed,
+            sequence=True,
+            include_data=True,
+        )
+        self.listing = self.client.get_children_async(self.parent, watch=self.guard.on_children)
+
+
+class _Pending:
+    """A queued lock's acquisition sent by :meth:`ZooKeeperBackend.send_queued`, not read yet."""
+
+    def __init__(self, backend: ZooKeeperBackend, attempt: _Attempt) -> None:
+        self.key = attempt.key
+        self._backend = backend
+        self._attempt = attempt
+
+    @property
+    def nonce(self) -> str:
+        """The random nonce of the acquisition sent (whether or not it took the key)."""
+        return self._attempt.nonce
+
+    @property
+    def token(self) -> str:
+        """Older name of :attr:`nonce`."""
+        return self.nonce
+
+    def finish(self) -> Lease:
+        """Read the replies: the lease, or raise LockContended / LockUnavailable."""
+        return self._backend._finish(self._attempt, 0.0, None, None, None)
+
+
 class ZooKeeperBackend:
     """Acquire and release leases on one ZooKeeper ensemble (a ``zookeeper://`` URL)."""
 
@@ -268,6 +443,8 @@ class ZooKeeperBackend:
 
     # -- acquire ---------------------------------------------------------------------------
 
+    # -- acquire ---------------------------------------------------------------------------
+
     def acquire(
         self,
         key: str,
@@ -287,10 +464,13 @@ class ZooKeeperBackend:
         """Take ``key``: ``wait=0`` raises :class:`LockContended` at once when it is held,
         ``wait=s`` queues up to ``s`` seconds (FIFO), ``wait=None`` without bound.
 
-        No ttl bounds a ZooKeeper lease: its node lasts while the session does, and its
-        validity is confirmed every third of the session timeout (:class:`ZkLease`); ``ttl``
-        only times :meth:`forget`, and ``renew``/``renew_interval`` are accepted for the
-        common signature and unused. ``fence_retention`` is moot: the token is a zxid, never
+        A lease on a session node: no ttl bounds it, its node lasts while the session does,
+        and its validity is confirmed every third of the session timeout (:class:`ZkLease`);
+        ``ttl`` only times :meth:`forget`, and ``renew``/``renew_interval`` are accepted for
+        the common signature and unused. ``queued=True`` takes a *timed* node instead, held
+        for ``ttl`` whatever becomes of this process (a queued lock, enqueue-time mode).
+        ``takeover`` (a task id) adopts that task's queued lock when it is first in line
+        (see the module docstring). ``fence_retention`` is moot: the token is a zxid, never
         reset per key.
         """
         key = check_key(key)
@@ -301,6 +481,8 @@ class ZooKeeperBackend:
             max_hold = check_seconds("max_hold", max_hold)
         if holder is not None and not isinstance(holder, str):
             raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
+        if takeover is not None and not isinstance(takeover, str):
+            raise ConfigError(f"takeover must be a str (a task id) or None, not {takeover!r}.")
         return self.acquire_checked(
             key,
             ttl,
@@ -330,181 +512,397 @@ class ZooKeeperBackend:
         fence_retention: float | None = None,
     ) -> ZkLease:
         """:meth:`acquire` for arguments already checked."""
-        if takeover or queued:
-            raise ConfigError(
-                "queued locks (lock_on='enqueue', a retry handing its key over) are not yet "
-                "supported on ZooKeeper: they must outlive the publishing process's session."
-            )
-        session, client = self._client()
-        begun = time.monotonic()
-        nonce = secrets.token_urlsafe(15)
-        parent = self.parent(key)
-        data = identity(nonce, holder, task=_task_name(sender)).encode()
-        guard = _Guard(client, session)
+        attempt = _Attempt(self, key, ttl, holder, timed=queued, queued=queued, sender=sender)
+        return self._finish(attempt, wait, None if queued else takeover, max_hold, on_lost)
+
+    def send_queued(
+        self, key: str, ttl: float, *, holder: str, sender: Any = None
+    ) -> _Pending | None:
+        """Send a queued lock's acquisition (a timed node's create and the listing) without
+        waiting for the replies; :meth:`_Pending.finish` reads them. None when no server
+        answers (the caller's :meth:`acquire` then reports it)."""
         try:
-            path, stat, children = self._enter(client, session, parent, nonce, data, guard)
+            attempt = _Attempt(self, key, ttl, holder, timed=True, queued=True, sender=sender)
+        except LockUnavailable:
+            return None
+        return _Pending(self, attempt)
+
+    def _finish(
+        self,
+        attempt: _Attempt,
+        wait: float | None,
+        takeover: str | None,
+        max_hold: float | None,
+        on_lost: LostCallback | None,
+    ) -> NodeLease:
+        """Read an attempt's replies, wait in line as ``wait`` allows, and make the lease."""
+        session, key = attempt.session, attempt.key
+        try:
+            entered = self._enter(attempt)
         except KAZOO_ERRORS as exc:
             raise self._unavailable(key, "lock", exc) from exc
-        name = path.rsplit("/", 1)[1]
-        guard.path = path
+        attempt.guard.path = entered.path
         try:
-            proven = self._queue(client, session, key, parent, name, children, wait, begun, guard)
+            won = self._queue(attempt, entered, wait, takeover)
         except LockContended:
-            raise  # our node is already deleted (see _contended)
+            raise  # our node is already deleted
         except BaseException:
-            guard.cancel()
-            self._abandon(client, session, path)
+            attempt.guard.cancel()
+            self._abandon(attempt.client, session, entered.path)
             raise
-        lease = ZkLease(
+        timed = attempt.timed
+        if timed:
+            deadline = attempt.begun + attempt.ttl - drift(attempt.ttl, self.drift_factor)
+        else:
+            deadline = won.proven + self._validity(session)
+        lease = NodeLease(
             self,
-            path,
+            won.path,
+            ctime_ms=won.ctime_ms,
+            waited=won.waited,
+            timed=timed,
             key=key,
-            token=int(stat.czxid),
-            head=data.decode(),
-            holder=holder,
-            ttl=ttl,
-            started=proven,
-            deadline=proven + self._validity(session),
-            renew_interval=session.negotiated / 3,
+            token=won.czxid,
+            head=attempt.data.decode(),
+            holder=attempt.holder,
+            ttl=attempt.ttl,
+            started=attempt.begun if timed else won.proven,
+            deadline=deadline,
+            renew_interval=None if timed else session.negotiated / 3,
             max_hold=max_hold,
-            sender=sender,
+            sender=attempt.sender,
         )
         if on_lost is not None:
             lease.on_lost(on_lost)
-        session.add(lease)
-        watchdog.add(lease)  # confirms the session every third of its timeout (renew())
-        guard.attach(lease)
-        waited_for = time.monotonic() - begun
+        if not timed:
+            session.add(lease)
+            watchdog.add(lease)  # confirms the session every third of its timeout (renew())
+        won.guard.attach(lease)
+        waited_for = time.monotonic() - attempt.begun
         log.debug("acquired key=%s token=%s waited=%.3f", key, lease.token, waited_for)
         lock_acquired.send(
-            sender=sender, key=key, token=lease.token, task_id=holder, waited=waited_for
+            sender=attempt.sender,
+            key=key,
+            token=lease.token,
+            task_id=attempt.holder,
+            waited=waited_for,
         )
         return lease
 
-    def _enter(
-        self,
+    def _enter(self, attempt: _Attempt) -> _Entered:
+        """Our node and the parent's listing (one round trip, see the module docstring). A
+        missing parent (a key's first use, or its container removed) is created, and the
+        create sent again."""
+        client, session, parent = attempt.client, attempt.session, attempt.parent
+        timeout = session.op_timeout
+        for _ in range(10):
+            try:
+                path, stat = attempt.created.get(timeout=timeout)
+            except NoNodeError:
+                self._make_parent(client, session, parent)
+                attempt.send()
+                continue
+            except ConnectionLoss:
+                # The create may have happened without its reply reaching us: find it by nonce.
+                found = self._find(client, session, parent, attempt.nonce)
+                if found is None:
+                    raise
+                path, stat = found
+                attempt.listing = client.get_children_async(parent, watch=attempt.guard.on_children)
+            received = time.monotonic()
+            try:
+                children = list(attempt.listing.get(timeout=timeout))
+            except (NoNodeError, ConnectionLoss):  # listed before the parent was made, or lost
+                children = []
+            if path.rsplit("/", 1)[1] not in children:
+                watched = partial(
+                    client.get_children_async, parent, watch=attempt.guard.on_children
+                )
+                children = list(session.call(watched))
+            return _Entered(path, stat, received, children)
+        raise LockUnavailable(
+            f"cannot lock {attempt.key!r}: its parent node {parent} keeps vanishing",
+            key=attempt.key,
+        )
+
+    def _make_parent(self, client: KazooClient, session: SharedClient, parent: str) -> None:
+        """Create a key's parent as a container node (and the base path, persistent)."""
+        acl = session.acl or OPEN_ACL_UNSAFE
+        for _ in range(3):
+            result = client.handler.async_result()
+            # kazoo has no call for createContainer: send its request as kazoo's create does.
+            client._call(_CreateContainer(parent, b"", acl, CONTAINER), result)
+            try:
+                result.get(timeout=session.op_timeout)
+                return
+            except NodeExistsError:
+                return
+            except NoNodeError:
+                client.ensure_path_async(self.base, session.acl).get(timeout=session.op_timeout)
+
+    @staticmethod
+    def _find(
         client: KazooClient,
         session: SharedClient,
         parent: str,
         nonce: str,
-        data: bytes,
-        guard: _Guard,
-    ) -> tuple[str, ZnodeStat, list[str]]:
-        """Create our node and list the parent, in one round trip (see the module docstring)."""
-        timeout = session.op_timeout
-        created = client.create_async(
-            f"{parent}/{nonce}-",
-            data,
-            acl=session.acl,
-            ephemeral=True,
-            sequence=True,
-            makepath=True,
-            include_data=True,
-        )
-        listing = client.get_children_async(parent, watch=guard.on_children)
-        try:
-            path, stat = created.get(timeout=timeout)
-        except ConnectionLoss:
-            # The create may have happened without its reply reaching us: find it by nonce.
-            found = self._find(client, session, parent, nonce)
-            if found is None:
-                raise
-            path, stat = found
-            listing = client.get_children_async(parent, watch=guard.on_children)
-        try:
-            children = list(listing.get(timeout=timeout))
-        except (NoNodeError, ConnectionLoss):  # listed before makepath made the parent, or lost
-            children = []
-        if path.rsplit("/", 1)[1] not in children:
-            watched = partial(client.get_children_async, parent, watch=guard.on_children)
-            children = list(session.call(watched))
-        return path, stat, children
-
-    @staticmethod
-    def _find(
-        client: KazooClient, session: SharedClient, parent: str, nonce: str
+        *,
+        replacement: bool = False,
     ) -> tuple[str, ZnodeStat] | None:
+        """The child made by the acquisition ``nonce`` (its replacement, when ``replacement``:
+        a child whose name inherits an order), with its stat; None when there is none."""
         try:
             children = session.call(lambda: client.get_children_async(parent))
         except NoNodeError:
             return None
         for child in children:
-            if child.startswith(f"{nonce}-"):
-                path = f"{parent}/{child}"
-                stat = session.call(partial(client.exists_async, path))
-                return (path, stat) if stat is not None else None
+            parsed = parse_name(child)
+            if parsed is None or parsed.nonce != nonce:
+                continue
+            if replacement and parsed.order == parsed.seq:
+                continue
+            path = f"{parent}/{child}"
+            stat = session.call(partial(client.exists_async, path))
+            return (path, stat) if stat is not None else None
         return None
+
+    def _stamp(self, client: KazooClient, session: SharedClient, parent: str) -> tuple[int, float]:
+        """A fresh stamp of the leader's clock (ms): the ``mtime`` of an empty ``setData`` on
+        the key's parent (nobody watches its data), and when its reply arrived."""
+        stat = session.call(partial(client.set_async, parent, b""))
+        return int(stat.mtime), time.monotonic()
+
+    @staticmethod
+    def _reap(client: KazooClient, session: SharedClient, path: str, version: int) -> None:
+        """Delete an expired timed node, if it is still the version we read."""
+        try:
+            session.call(partial(client.delete_async, path, version))
+            log.debug("deleted expired timed node %s", path)
+        except KAZOO_ERRORS:
+            pass  # gone, changed (adopted), or unreachable: the caller lists again
+
+    def _read(
+        self, client: KazooClient, session: SharedClient, path: str, watch: Any = None
+    ) -> tuple[bytes, ZnodeStat] | None:
+        """A node's data and stat, None when it is gone."""
+        try:
+            raw, stat = session.call(partial(client.get_async, path, watch=watch))
+        except NoNodeError:
+            return None
+        return raw, stat
 
     def _queue(
         self,
-        client: KazooClient,
-        session: SharedClient,
-        key: str,
-        parent: str,
-        name: str,
-        children: list[str],
+        attempt: _Attempt,
+        entered: _Entered,
         wait: float | None,
-        begun: float,
-        guard: _Guard,
-    ) -> float:
-        """Wait until our node is the lowest. Returns when the last request that showed it
-        was sent (the session surely lives until then + its timeout: see :class:`ZkLease`).
-        Raises LockContended when ``wait`` runs out (our node is then deleted)."""
-        deadline = None if wait is None else begun + wait
-        proven = begun  # the create's send time
-        while True:
-            ordered = sorted(children, key=_seq)
-            if name not in ordered:
+        takeover: str | None,
+    ) -> _Won:
+        """Wait until our node is first in line (or adopt ``takeover``'s queued lock there).
+        Returns where we won, and when the last request that showed it was sent (the session
+        surely lives until then + its timeout: see :class:`ZkLease`). Raises LockContended
+        when ``wait`` runs out (our node is then deleted)."""
+        client, session, parent, key = (
+            attempt.client,
+            attempt.session,
+            attempt.parent,
+            attempt.key,
+        )
+        deadline = None if wait is None else attempt.begun + wait
+        path = entered.path
+        name = path.rsplit("/", 1)[1]
+        children = entered.children
+        proven = attempt.begun  # the create's send time
+        # The freshest stamp of the leader's clock, and when its reply arrived here.
+        now_ms, now_at = int(entered.stat.ctime), entered.received
+        mine = task_hash(takeover) if takeover else None
+        waited = False
+        for _ in range(1_000_000):
+            line = in_line(children)
+            names = [n.name for n in line]
+            if name not in names:
                 raise LockUnavailable(
-                    f"cannot lock {key!r}: our queue node {name} vanished (session expired, or "
-                    "deleted by an operator)",
+                    f"cannot lock {key!r}: our queue node {name} vanished (session expired, "
+                    "or deleted by an operator)",
                     key=key,
                 )
-            position = ordered.index(name)
+            position = names.index(name)
             if position == 0:
-                return proven
-            if deadline is not None and time.monotonic() >= deadline:
-                guard.cancel()
-                raise self._contended(client, session, key, parent, ordered[0], name)
-            woken = threading.Event()
-            events: list[WatchedEvent] = []
-            predecessor = f"{parent}/{ordered[position - 1]}"
-
-            def wake(
-                event: WatchedEvent,
-                woken: threading.Event = woken,
-                events: list[WatchedEvent] = events,
-            ) -> None:
-                events.append(event)
-                woken.set()
-
+                stat = entered.stat
+                return _Won(path, int(stat.czxid), int(stat.ctime), proven, waited, attempt.guard)
+            head = line[0]
+            if mine is not None and head.task == mine:
+                adopted = self._adopt(attempt, head, path, waited)
+                if adopted is not None:
+                    return adopted
+            elif deadline is not None and time.monotonic() >= deadline:
+                if not head.timed:
+                    attempt.guard.cancel()
+                    raise self._contended(client, session, key, parent, head.name, name)
+                refusal = self._refuse_timed(attempt, head, path, now_ms)
+                if refusal is not None:
+                    raise refusal
+            else:
+                waited = True
+                now_ms, now_at, proven, done = self._wait_behind(
+                    attempt, line[position - 1], position, deadline, now_ms, now_at, proven
+                )
+                if done:
+                    stat = entered.stat
+                    return _Won(path, int(stat.czxid), int(stat.ctime), proven, True, attempt.guard)
             try:
-                with session.lock:
-                    session.waiters.add(woken)
-                guard.watch_own(now=True)  # sent with the next request: ready once admitted
-                asked = time.monotonic()
-                watching = session.call(partial(client.exists_async, predecessor, watch=wake))
-                proven = asked
-                if watching is not None:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    woken.wait(left)
-                gone = watching is None or any(e.type == EventType.DELETED for e in events)
-                fresh = time.monotonic() - proven < session.negotiated / 3
-                if position == 1 and gone and fresh and not guard.deleted:
-                    # Our listing came after our create, so it showed every node older than
-                    # ours; only the predecessor was, and no older node can appear later. It
-                    # is gone: ours is the lowest, no need to list again (saves a round trip
-                    # on every hand-over). After a long wait the listing is sent anyway: its
-                    # answer is the fresh proof of the session the lease's validity needs.
-                    return proven
                 asked = time.monotonic()
                 children = list(session.call(lambda: client.get_children_async(parent)))
                 proven = asked
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "wait for", exc) from exc
-            finally:
-                with session.lock:
-                    session.waiters.discard(woken)
+        raise LockUnavailable(f"cannot lock {key!r}: its line never settled", key=key)
+
+    def _refuse_timed(
+        self, attempt: _Attempt, head: NodeName, path: str, now_ms: int
+    ) -> LockContended | None:
+        """``wait`` ran out behind a timed node: delete it if expired (None: look again), else
+        the refusal naming its holder (our node deleted)."""
+        client, session = attempt.client, attempt.session
+        head_path = f"{attempt.parent}/{head.name}"
+        try:
+            found = self._read(client, session, head_path)
+        except KAZOO_ERRORS as exc:
+            raise self._unavailable(attempt.key, "lock", exc) from exc
+        if found is None:
+            return None
+        raw, stat = found
+        if expires_ms(raw, stat, self.ttl) <= now_ms:
+            self._reap(client, session, head_path, stat.version)
+            return None
+        attempt.guard.cancel()
+        self._abandon(client, session, path)
+        holder = read_holder(raw, stat)
+        who = holder.describe() if holder else "another contender"
+        return LockContended(
+            f"lock {attempt.key!r} is held by {who}", key=attempt.key, holder=holder
+        )
+
+    def _wait_behind(
+        self,
+        attempt: _Attempt,
+        predecessor: NodeName,
+        position: int,
+        deadline: float | None,
+        now_ms: int,
+        now_at: float,
+        proven: float,
+    ) -> tuple[int, float, float, bool]:
+        """Watch the node just ahead of ours until it changes, ``deadline``, or (a timed node)
+        its expiry. Returns the freshest clock stamp, when it arrived, the proof time, and
+        True when we are certainly first in line now (no need to list again)."""
+        client, session, guard = attempt.client, attempt.session, attempt.guard
+        woken = threading.Event()
+        events: list[WatchedEvent] = []
+        pred_path = f"{attempt.parent}/{predecessor.name}"
+
+        def wake(event: WatchedEvent) -> None:
+            events.append(event)
+            woken.set()
+
+        try:
+            with session.lock:
+                session.waiters.add(woken)
+            guard.watch_own(now=True)  # sent with the next request: ready once admitted
+            asked = time.monotonic()
+            wake_at: float | None = None
+            watching = False
+            if predecessor.timed:
+                found = self._read(client, session, pred_path, watch=wake)
+                if found is not None:
+                    raw, stat = found
+                    left_ms = expires_ms(raw, stat, self.ttl) - now_ms
+                    if left_ms <= 0:
+                        self._reap(client, session, pred_path, stat.version)
+                        return now_ms, now_at, asked, False  # list again
+                    watching = True
+                    # Counted from when the stamp's reply arrived: the expiry comes no
+                    # earlier on this clock, so we wake late rather than early.
+                    wake_at = now_at + left_ms / 1000.0
+            else:
+                watching = (
+                    session.call(partial(client.exists_async, pred_path, watch=wake)) is not None
+                )
+            proven = asked
+            if watching:
+                limits = [t for t in (deadline, wake_at) if t is not None]
+                woken.wait(None if not limits else max(0.0, min(limits) - time.monotonic()))
+            if wake_at is not None and not woken.is_set() and time.monotonic() >= wake_at:
+                now_ms, now_at = self._stamp(client, session, attempt.parent)
+                return now_ms, now_at, proven, False  # list again: the next round checks it
+            deleted = any(e.type == EventType.DELETED for e in events)
+            fresh = time.monotonic() - proven < session.negotiated / 3
+            # Our listing came after our create, so it showed every node ahead of ours; only
+            # the predecessor was. It was deleted (a replacement would have fired a change
+            # first, see the module docstring): ours is first, no need to list again (saves
+            # a round trip on every hand-over between waiters). After a long wait the listing
+            # is sent anyway: its answer is the fresh proof the lease's validity needs.
+            done = position == 1 and deleted and fresh and not guard.deleted
+            return now_ms, now_at, proven, done
+        except KAZOO_ERRORS as exc:
+            raise self._unavailable(attempt.key, "wait for", exc) from exc
+        finally:
+            with session.lock:
+                session.waiters.discard(woken)
+
+    def _adopt(self, attempt: _Attempt, head: NodeName, path: str, waited: bool) -> _Won | None:
+        """Take over the queued lock ``head`` of our own task: one transaction creates our
+        session node in its place (its order) and deletes it and our first node. None when
+        it failed (the queued lock is gone: the caller lists again)."""
+        client, session, parent = attempt.client, attempt.session, attempt.parent
+        head_path = f"{parent}/{head.name}"
+        transaction = client.transaction()
+        transaction.create(
+            f"{parent}/{node_prefix(attempt.nonce, order=head.order)}",
+            attempt.data,
+            acl=session.acl,
+            ephemeral=True,
+            sequence=True,
+        )
+        # A waiter watching the queued lock sees a change, not a deletion: it lists again.
+        transaction.set_data(head_path, b"")
+        transaction.delete(head_path)
+        transaction.delete(path)
+        asked = time.monotonic()
+        try:
+            results = transaction.commit_async().get(timeout=session.op_timeout)
+        except ConnectionLoss:
+            return self._settle(attempt, path, asked, waited)
+        except KAZOO_ERRORS as exc:
+            raise self._unavailable(attempt.key, "adopt the queued lock of", exc) from exc
+        if _failed(results) is not None:
+            return None
+        new_path, stat = results[0], results[1]
+        # Every operation of a multi has the transaction's zxid and time: the setData's stat
+        # carries the replacement's czxid and ctime.
+        return self._adopted(attempt, new_path, int(stat.mzxid), int(stat.mtime), asked, waited)
+
+    def _settle(self, attempt: _Attempt, path: str, asked: float, waited: bool) -> _Won | None:
+        """An adoption whose reply was lost: find out whether it happened."""
+        client, session = attempt.client, attempt.session
+        try:
+            found = self._find(client, session, attempt.parent, attempt.nonce, replacement=True)
+        except KAZOO_ERRORS as exc:
+            raise self._unavailable(attempt.key, "adopt the queued lock of", exc) from exc
+        if found is None:
+            return None  # not applied: our first node is still in line
+        new_path, stat = found
+        return self._adopted(attempt, new_path, int(stat.czxid), int(stat.ctime), asked, waited)
+
+    def _adopted(
+        self, attempt: _Attempt, path: str, czxid: int, ctime_ms: int, asked: float, waited: bool
+    ) -> _Won:
+        attempt.guard.cancel()  # its node went with the transaction: no loss to report
+        guard = _Guard(attempt.client, attempt.session)
+        guard.path = path
+        guard.watch_own(now=True)
+        log.debug("key=%s: adopted the queued lock of %s", attempt.key, attempt.holder)
+        return _Won(path, czxid, ctime_ms, asked, waited, guard)
 
     def _contended(
         self,
@@ -638,43 +1036,154 @@ class ZooKeeperBackend:
                 out.append(None)
         return out
 
+    def _replace(
+        self,
+        lease: ZkLease,
+        nonce: str,
+        data: bytes,
+        *,
+        queued_for: str | None,
+    ) -> tuple[str, ZnodeStat] | None:
+        """Replace ``lease``'s node by a timed node in its place in line (one transaction, see
+        the module docstring): the new node's path and the setData's stat (the transaction's
+        zxid and time), or None when the lease's node was gone. Raises the kazoo error when no
+        answer came and it cannot be told whether the transaction happened."""
+        session = self.shared
+        client = session.start()
+        parent, name = lease.path.rsplit("/", 1)
+        parsed = parse_name(name)
+        order = parsed.order if parsed is not None else int(name[-SEQ_DIGITS:])
+        transaction = client.transaction()
+        transaction.create(
+            f"{parent}/{node_prefix(nonce, timed=True, task=queued_for, order=order)}",
+            data,
+            acl=session.acl,
+            sequence=True,
+        )
+        transaction.set_data(lease.path, b"")  # the waiter behind sees a change: it lists again
+        transaction.delete(lease.path)
+        try:
+            results = transaction.commit_async().get(timeout=session.op_timeout)
+        except ConnectionLoss:
+            found = self._find(client, session, parent, nonce, replacement=True)
+            if found is None or found[0] == lease.path:
+                return None
+            return found
+        if _failed(results) is not None:
+            return None
+        return results[0], results[1]
+
     def forget(self, lease: Lease) -> None:
-        """Stop tracking ``lease`` without releasing it now; its node is deleted after its
-        ttl (a one-shot key such as a beat tick), or with the session if this process ends
-        first."""
+        """Stop tracking ``lease`` without releasing it: its key lives out its ttl even if this
+        process ends (a beat tick key). A session node is replaced by a timed node in its place
+        in line, living ``ttl`` from the session node's creation (from the replacement's, if
+        the acquisition waited in line: its ttl then counts from when it got the key, later);
+        a timed node (a queued lock) is simply left to its ttl. This process also deletes the
+        node at its expiry if it is still running; else the key's next contender does."""
         assert isinstance(lease, ZkLease)
-        if not lease.set_released():
-            return
-        watchdog.discard(lease)
-        self.shared.discard(lease)
-        if lease.pid != forks.pid():
+        session = self.shared
+        with lease.io_lock:
+            if not lease.set_released():
+                return
+            watchdog.discard(lease)
+            session.discard(lease)
+            if lease.pid != forks.pid():
+                return
+            timed = isinstance(lease, NodeLease) and lease.timed
+            path: str | None = lease.path
+            if not timed and isinstance(lease, NodeLease):
+                anchor = None if lease.waited else lease.ctime_ms
+                data = timed_data(lease.head, lease.ttl, anchor)
+                try:
+                    replaced = self._replace(lease, head_nonce(lease.head), data, queued_for=None)
+                    path = None if replaced is None else replaced[0]
+                except UNREACHABLE as exc:
+                    # Left a session node: it goes with the session, or at its ttl (below).
+                    log.warning(
+                        "key=%s token=%s: could not make the forgotten lease outlive this "
+                        "process (%s); it ends with the session",
+                        lease.key,
+                        lease.token,
+                        exc,
+                    )
+        if path is None:
             return
         timer = threading.Timer(
             max(0.0, lease.acquired_at + lease.ttl - time.monotonic()),
-            self._delete_quietly,
-            (lease.path,),
+            self._reap_at_expiry,
+            (path, lease.ttl),
         )
         timer.daemon = True
         timer.start()
 
-    def _delete_quietly(self, path: str) -> None:
+    def _reap_at_expiry(self, path: str, ttl: float, tries: int = 0) -> None:
+        """Delete a forgotten node once expired on the leader's clock (a session node left by
+        a failed replacement: at once); if not yet, look again when it should be."""
         session = self.shared
+        parent = path.rsplit("/", 1)[0]
         try:
-            session.start().delete_async(path).get(timeout=session.op_timeout)
-        except NoNodeError:
-            pass
+            client = session.start()
+            found = self._read(client, session, path)
+            if found is None:
+                return
+            raw, stat = found
+            if stat.ephemeralOwner:
+                self._reap(client, session, path, stat.version)
+                return
+            now_ms, _ = self._stamp(client, session, parent)
+            left_ms = expires_ms(raw, stat, ttl) - now_ms
+            if left_ms <= 0:
+                self._reap(client, session, path, stat.version)
+                return
+            delay = left_ms / 1000.0
         except UNREACHABLE:
-            with session.lock:
-                session.owed.add(path)
+            if tries >= 10:
+                return  # the key's next contender deletes it
+            delay = session.negotiated / 3
+        timer = threading.Timer(delay, self._reap_at_expiry, (path, ttl, tries + 1))
+        timer.daemon = True
+        timer.start()
 
     def hand_over(self, lease: Lease, ttl: float) -> str | None:
-        """Not yet on ZooKeeper (a queued lock must outlive this process's session)."""
-        raise ConfigError("handing a key over to a queued retry is not yet supported on ZooKeeper.")
+        """Turn ``lease`` into the queued lock of its own task's next message (a retry): its
+        node is replaced, in one transaction, by a timed node in its place in line, adoptable
+        by that task id, living ``ttl``. Returns the queued lock's nonce (for the message to
+        carry), or None when the lease was no longer held. The queued lock's fencing token
+        (its czxid) is larger than the lease's: see the module docstring."""
+        assert isinstance(lease, ZkLease)
+        session = self.shared
+        nonce = secrets.token_urlsafe(15)
+        with lease.io_lock:
+            lease.notice_expiry()
+            if not lease.set_released():
+                return None
+            watchdog.discard(lease)
+            session.discard(lease)
+            if lease.pid != forks.pid() or lease.holder is None:
+                return None
+            data = identity(
+                nonce, lease.holder, queued=True, task=_task_name(lease.sender), ttl=ttl
+            ).encode()
+            try:
+                replaced = self._replace(lease, nonce, data, queued_for=lease.holder)
+            except UNREACHABLE as exc:
+                log.warning(
+                    "key=%s token=%s: hand-over to the retry of %s not confirmed (%s)",
+                    lease.key,
+                    lease.token,
+                    lease.holder,
+                    exc,
+                )
+                return None
+        if replaced is None:
+            return None
+        log.debug("handed key=%s over to the queued retry of %s", lease.key, lease.holder)
+        return nonce
 
     # -- operators -------------------------------------------------------------------------
 
-    def _nodes(self, key: str) -> tuple[KazooClient, SharedClient, str, list[str]]:
-        """The key's parent and its children in queue order (empty when none)."""
+    def _nodes(self, key: str) -> tuple[KazooClient, SharedClient, str, list[NodeName]]:
+        """The key's parent and its children in line order (empty when none)."""
         session, client = self._client()
         parent = self.parent(key)
         try:
@@ -683,42 +1192,55 @@ class ZooKeeperBackend:
             children = []
         except KAZOO_ERRORS as exc:
             raise self._unavailable(key, "inspect", exc) from exc
-        return client, session, parent, sorted(children, key=_seq)
+        return client, session, parent, in_line(list(children))
 
-    def _holder_node(self, key: str) -> tuple[str, Holder] | None:
-        """The holder's node and identity; None when nobody holds ``key``."""
+    def _holder_node(self, key: str) -> tuple[str, Holder, int | None] | None:
+        """The holder's node, identity and (a timed node) ms of life left; None when nobody
+        holds ``key``. An expired timed node found first in line is deleted on the way."""
         for _ in range(5):  # a release between the listing and the read: list again
             client, session, parent, children = self._nodes(key)
             if not children:
                 return None
-            path = f"{parent}/{children[0]}"
+            head = children[0]
+            path = f"{parent}/{head.name}"
             try:
+                stamp = client.set_async(parent, b"") if head.timed else None
                 raw, stat = client.get_async(path).get(timeout=session.op_timeout)
+                now_ms = int(stamp.get(timeout=session.op_timeout).mtime) if stamp else 0
             except NoNodeError:
                 continue
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "inspect", exc) from exc
+            left: int | None = None
+            if head.timed:
+                left = expires_ms(raw, stat, self.ttl) - now_ms
+                if left <= 0:
+                    self._reap(client, session, path, stat.version)
+                    continue
             holder = read_holder(raw, stat)
             if holder is not None:
-                return path, holder
+                return path, holder, left
             return None
         return None
 
     def holder(self, key: str) -> Holder | None:
-        """The current holder (the lowest node's identity), or None when nobody holds ``key``."""
+        """The current holder (the first node's identity), or None when nobody holds ``key``."""
         found = self._holder_node(check_key(key))
         return found[1] if found else None
 
     def inspect(self, key: str) -> LockInfo:
-        """The key's holder; no ttl (a ZooKeeper lease lasts as long as its session)."""
-        key = check_key(key)
-        holder = self.holder(key)
-        return LockInfo(key, holder, None, holder.fence if holder else None)
+        """The key's holder; the time left only for a timed node (a session node's lease
+        lasts as long as its session)."""
+        found = self._holder_node(check_key(key))
+        if found is None:
+            return LockInfo(key, None, None, None)
+        _, holder, left = found
+        return LockInfo(key, holder, None if left is None else left / 1000.0, holder.fence)
 
     def queue(self, key: str) -> list[Holder]:
         """The holder and every waiter of ``key``, in the order they will hold it."""
         client, session, parent, children = self._nodes(check_key(key))
-        reads = [client.get_async(f"{parent}/{child}") for child in children]
+        reads = [client.get_async(f"{parent}/{child.name}") for child in children]
         out: list[Holder] = []
         for read in reads:
             try:
@@ -742,10 +1264,13 @@ class ZooKeeperBackend:
         keys = sorted(k for k in (unquote(n) for n in names) if k.startswith(prefix))
         return [self.inspect(key) for key in keys]
 
-    def _delete_if(self, key: str, match: Callable[[str, Holder], bool]) -> bool:
-        """Delete the holder's node if ``match(node name, holder)``; True if deleted."""
+    def _delete_if(self, key: str, match: Callable[[NodeName, Holder], bool]) -> bool:
+        """Delete the holder's node if ``match(its parsed name, holder)``; True if deleted."""
         found = self._holder_node(key)
-        if found is None or not match(found[0].rsplit("/", 1)[1], found[1]):
+        if found is None:
+            return False
+        parsed = parse_name(found[0].rsplit("/", 1)[1])
+        if parsed is None or not match(parsed, found[1]):
             return False
         session, client = self._client()
         try:
@@ -760,14 +1285,14 @@ class ZooKeeperBackend:
         """Delete ``holder``'s node: its watch tells the holder its lease is lost, and the
         next waiter is admitted."""
         key = check_key(key)
-        released = self._delete_if(key, lambda name, h: name.startswith(f"{holder.nonce}-"))
+        released = self._delete_if(key, lambda name, h: name.nonce == holder.nonce)
         if released:
             log.warning("forced release of key=%s held by %s", key, holder.describe())
         return released
 
     def release_nonce(self, key: str, nonce: str) -> bool:
         """Delete ``key``'s node if the acquisition with ``nonce`` holds it."""
-        return self._delete_if(check_key(key), lambda name, h: name.startswith(f"{nonce}-"))
+        return self._delete_if(check_key(key), lambda name, h: name.nonce == nonce)
 
     def release_by_task(self, key: str, task_id: str) -> bool:
         """Delete ``key``'s node if task ``task_id`` holds it, whichever acquisition."""
@@ -776,10 +1301,6 @@ class ZooKeeperBackend:
     #: Older names (the Redis backend keeps them too).
     release_token = release_nonce
     release_by_holder = release_by_task
-
-    def send_queued(self, key: str, ttl: float, *, holder: str, sender: Any = None) -> None:
-        """None: a queued lock is not sent ahead on ZooKeeper (see :meth:`hand_over`)."""
-        return
 
     def purge(self, prefix: str) -> list[str]:
         """Force-release every held key starting with ``prefix``; the keys released."""

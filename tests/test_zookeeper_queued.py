@@ -1,0 +1,294 @@
+"""Timed nodes on a real ZooKeeper: queued locks (enqueue-time mode) and their adoption, the
+hand-over to a retry, forgotten leases (beat tick keys) outliving their process.
+
+Each test asserts the behaviour its name states; synchronisation is by polls with deadlines
+and events, never by bare sleeps. A "not admitted" check waits a bounded time for something
+that must not happen.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from celery_dlock.errors import LockContended
+from celery_dlock.lease import Lease
+from celery_dlock.zookeeper import ZooKeeperBackend, close_all
+from celery_dlock.zookeeper.nodes import parse_name
+from tests.zookeeper import ZkServer, skip_reason, standalone
+
+REASON = skip_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)  # a poll, bounded by the deadline
+
+
+@pytest.fixture(scope="module")
+def zk() -> Iterator[ZkServer]:
+    if REASON is not None:
+        pytest.skip(REASON)
+    with standalone() as server:
+        yield server
+
+
+@pytest.fixture
+def url(zk: ZkServer) -> Iterator[str]:
+    """A fresh chroot on the standalone server; every client of this process closed after."""
+    yield f"zookeeper://{zk.hosts}/q-{uuid.uuid4().hex[:8]}?timeout=4"
+    close_all()
+
+
+def other(url: str) -> ZooKeeperBackend:
+    """A backend on another session (another client) of the same server."""
+    return ZooKeeperBackend(url.replace("timeout=4", "timeout=4.5"))
+
+
+def in_other_process(url: str, code: str) -> str:
+    """Run ``code`` (with ``b``, a backend on ``url``) in a new Python process that then exits
+    (closing its session): its stdout."""
+    program = "\n".join(
+        [
+            "from celery_dlock.zookeeper import ZooKeeperBackend",
+            f"b = ZooKeeperBackend({url!r})",
+            code,
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def queued(backend: ZooKeeperBackend, key: str, n: int) -> bool:
+    """True once ``key`` has ``n`` nodes (its holder and waiters)."""
+    return len(backend.queue(key)) == n
+
+
+def stays(check: Callable[[], bool], seconds: float) -> bool:
+    """True if ``check`` stays true for ``seconds`` (a bounded wait for what must not happen)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not check():
+            return False
+        time.sleep(0.005)  # a poll, bounded by the deadline
+    return check()
+
+
+def publish(backend: ZooKeeperBackend, key: str, task_id: str, ttl: float = 30.0) -> Lease:
+    """What enqueue-time mode does at publish: send the queued lock, read it, forget it."""
+    pending = backend.send_queued(key, ttl, holder=task_id)
+    assert pending is not None
+    lease = pending.finish()
+    backend.forget(lease)
+    return lease
+
+
+def waiter(
+    backend: ZooKeeperBackend, key: str, order: list[str], name: str, **kwargs: object
+) -> threading.Thread:
+    """A thread that waits for ``key``, appends ``name`` to ``order`` once in, and releases."""
+
+    def run() -> None:
+        with backend.acquire(key, wait=30, holder=name, **kwargs):  # type: ignore[arg-type]
+            order.append(name)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+# -- queued locks -------------------------------------------------------------------------------
+
+
+def test_a_queued_lock_outlives_the_process_that_published_it(url: str) -> None:
+    out = in_other_process(
+        url,
+        "p = b.send_queued('report', 30, holder='task-q')\n"
+        "lease = p.finish()\nb.forget(lease)\nprint(lease.token)",
+    )
+    token = int(out)
+    backend = other(url)
+    holder = backend.holder("report")  # the publisher and its session are gone
+    assert holder is not None
+    assert (holder.task_id, holder.queued, holder.fence) == ("task-q", True, token)
+    info = backend.inspect("report")
+    assert info.ttl_left is not None
+    assert 20 < info.ttl_left <= 30
+
+
+def test_a_duplicate_sees_the_queued_holder(url: str) -> None:
+    first = publish(ZooKeeperBackend(url), "dup", "task-1")
+    with pytest.raises(LockContended) as caught:
+        publish(other(url), "dup", "task-2")
+    assert caught.value.holder is not None
+    assert caught.value.holder.task_id == "task-1"
+    assert caught.value.holder.queued
+    assert caught.value.holder.fence == first.token
+    # The refused duplicate left no node behind.
+    assert len(other(url).queue("dup")) == 1
+
+
+def test_the_matching_acquire_adopts_the_queued_lock_with_a_larger_token(url: str) -> None:
+    queued = publish(ZooKeeperBackend(url), "adopt", "task-a")
+    worker = other(url)
+    lease = worker.acquire("adopt", holder="task-a", takeover="task-a")
+    holder = worker.holder("adopt")
+    assert holder is not None
+    assert (holder.task_id, holder.queued) == ("task-a", False)
+    assert lease.token > queued.token
+    assert len(worker.queue("adopt")) == 1  # the queued node went with the adoption
+    name = parse_name(lease.path.rsplit("/", 1)[1])
+    assert name is not None
+    assert not name.timed  # a session node: it ends with the worker's session
+    lease.release()
+    assert worker.holder("adopt") is None
+
+
+def test_a_non_matching_acquire_is_refused_or_waits_until_the_adopter_releases(url: str) -> None:
+    publish(ZooKeeperBackend(url), "other", "task-a")
+    worker = other(url)
+    with pytest.raises(LockContended) as caught:
+        worker.acquire("other", holder="task-b", takeover="task-b")
+    assert caught.value.holder is not None
+    assert caught.value.holder.task_id == "task-a"
+    order: list[str] = []
+    waiting = waiter(ZooKeeperBackend(url), "other", order, "task-b", takeover="task-b")
+    until(lambda: len(worker.queue("other")) == 2, 10, "the waiter queued")
+    adopted = worker.acquire("other", holder="task-a", takeover="task-a")
+    assert stays(lambda: order == [], 0.5)  # the waiter stays out while the adopter holds
+    adopted.release()
+    waiting.join(10)
+    assert order == ["task-b"]
+
+
+def test_an_expired_queued_lock_is_taken_by_the_next_contender(url: str) -> None:
+    publish(ZooKeeperBackend(url), "short", "task-s", ttl=0.6)
+    published = time.monotonic()
+    contender = other(url)
+    taken: list[Lease] = []
+
+    def take() -> bool:
+        try:
+            taken.append(contender.acquire("short", holder="task-t"))
+        except LockContended:
+            return False
+        return True
+
+    until(take, 10, "the expired queued lock taken")
+    assert time.monotonic() - published >= 0.55  # not before its ttl
+    assert len(contender.queue("short")) == 1  # the expired node was deleted
+    taken[0].release()
+
+
+def test_a_waiter_behind_a_queued_lock_is_admitted_when_it_expires(url: str) -> None:
+    publish(ZooKeeperBackend(url), "expire-wait", "task-s", ttl=1.0)
+    published = time.monotonic()
+    order: list[str] = []
+    waiting = waiter(other(url), "expire-wait", order, "task-w")
+    waiting.join(15)
+    assert order == ["task-w"]
+    assert time.monotonic() - published >= 0.95
+
+
+def test_waiters_behind_a_queued_lock_are_admitted_in_order_after_adoption(url: str) -> None:
+    publish(ZooKeeperBackend(url), "line", "task-q")
+    watcher = other(url)
+    order: list[str] = []
+    threads = []
+    for n in range(4):
+        # each waiter on its own session, queued one after the other
+        backend = ZooKeeperBackend(url.replace("timeout=4", f"timeout={5 + n}"))
+        threads.append(waiter(backend, "line", order, f"w{n}"))
+        until(partial(queued, watcher, "line", n + 2), 10, f"waiter {n} queued")
+    adopted = watcher.acquire("line", holder="task-q", takeover="task-q")
+    assert [h.task_id for h in watcher.queue("line")] == ["task-q", "w0", "w1", "w2", "w3"]
+    assert stays(lambda: order == [], 0.5)  # w0 watched the queued node: it listed again
+    adopted.release()
+    for thread in threads:
+        thread.join(20)
+    assert order == ["w0", "w1", "w2", "w3"]
+
+
+def test_no_two_holders_among_random_publishes_adoptions_and_waiters(url: str) -> None:
+    """Random interleavings of publishers, adopting workers and plain contenders on one key:
+    at no time do two of them act as holders (a queued lock is held by no running body)."""
+    rng = random.Random(20261125)
+    inside = 0
+    overlaps = 0
+    entered = 0
+    guard = threading.Lock()
+    published: list[str] = []
+
+    def body(lease: Lease) -> None:
+        nonlocal inside, overlaps, entered
+        with guard:
+            inside += 1
+            entered += 1
+            overlaps += inside > 1
+        time.sleep(rng.random() * 0.003)  # hold it a little: widen any window for an overlap
+        with guard:
+            inside -= 1
+        lease.release()
+
+    def actor(seed: int) -> None:
+        local = random.Random(seed)
+        backend = ZooKeeperBackend(url.replace("timeout=4", f"timeout={4 + seed % 5}"))
+        for step in range(12):
+            roll = local.random()
+            task = f"t{seed}-{step}"
+            if roll < 0.35:
+                try:
+                    publish(backend, "mixed", task, ttl=local.choice([0.3, 5.0]))
+                    with guard:
+                        published.append(task)
+                except LockContended:
+                    pass
+            elif roll < 0.7:
+                with guard:
+                    adoptable = published.pop() if published else task
+                try:
+                    lease = backend.acquire(
+                        "mixed", holder=adoptable, takeover=adoptable, wait=local.random() * 0.5
+                    )
+                except LockContended:
+                    continue
+                body(lease)
+            else:
+                try:
+                    lease = backend.acquire("mixed", holder=task, wait=local.random() * 0.5)
+                except LockContended:
+                    continue
+                body(lease)
+
+    threads = [threading.Thread(target=actor, args=(rng.randrange(10**6),)) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert entered > 5  # the run did exercise the lock
+    assert overlaps == 0
