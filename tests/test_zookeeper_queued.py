@@ -292,3 +292,100 @@ def test_no_two_holders_among_random_publishes_adoptions_and_waiters(url: str) -
     assert not any(thread.is_alive() for thread in threads)
     assert entered > 5  # the run did exercise the lock
     assert overlaps == 0
+
+
+# -- hand-over to a retry -----------------------------------------------------------------------
+
+
+def test_hand_over_keeps_the_place_in_line_until_the_retry_adopts_it(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    running = backend.acquire("retry", holder="task-r")
+    watcher = other(url)
+    order: list[str] = []
+    waiting = waiter(other(url), "retry", order, "task-w")
+    until(partial(queued, watcher, "retry", 2), 10, "the waiter queued")
+    nonce = backend.hand_over(running, 30)
+    assert nonce is not None
+    holder = watcher.holder("retry")
+    assert holder is not None
+    assert (holder.task_id, holder.queued, holder.nonce) == ("task-r", True, nonce)
+    assert holder.fence > running.token  # a later transaction: a larger czxid
+    assert running.released
+    assert stays(lambda: order == [], 0.5)  # the waiter listed again and found the queued lock
+    retried = other(url).acquire("retry", holder="task-r", takeover="task-r")
+    assert retried.token > holder.fence
+    assert [h.task_id for h in watcher.queue("retry")] == ["task-r", "task-w"]
+    assert stays(lambda: order == [], 0.3)
+    retried.release()
+    waiting.join(10)
+    assert order == ["task-w"]
+
+
+def test_a_handed_over_key_outlives_the_process_and_its_nonce_frees_it(url: str) -> None:
+    nonce = in_other_process(
+        url,
+        "lease = b.acquire('handed', holder='task-h')\nprint(b.hand_over(lease, 30))",
+    )
+    backend = other(url)
+    holder = backend.holder("handed")
+    assert holder is not None
+    assert (holder.task_id, holder.queued, holder.nonce) == ("task-h", True, nonce)
+    with pytest.raises(LockContended):
+        backend.acquire("handed", holder="task-x")
+    # A worker discarding the retry message (revoked) frees the queued lock by its nonce.
+    assert backend.release_nonce("handed", nonce)
+    assert backend.holder("handed") is None
+
+
+def test_hand_over_of_a_lease_no_longer_held_returns_none(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("gone", holder="task-g")
+    holder = backend.holder("gone")
+    assert holder is not None
+    assert other(url).force_release("gone", holder)
+    until(lambda: lease.lost, 10, "the holder told of the forced release")
+    assert backend.hand_over(lease, 30) is None
+    assert backend.holder("gone") is None
+
+
+# -- forgotten leases (beat tick keys) ----------------------------------------------------------
+
+
+def test_a_forgotten_lease_outlives_its_process_for_its_ttl_and_no_longer(url: str) -> None:
+    out = in_other_process(
+        url,
+        "import time\nlease = b.acquire('tick', ttl=2, holder='beat-1')\nb.forget(lease)\n"
+        "print(time.time())",
+    )
+    acquired = float(out)  # after the acquisition: its ttl ends no earlier than this + 2 s
+    backend = other(url)
+    with pytest.raises(LockContended) as caught:  # the beat and its session are gone
+        backend.acquire("tick", holder="beat-2")
+    assert caught.value.holder is not None
+    assert caught.value.holder.task_id == "beat-1"
+    taken: list[Lease] = []
+
+    def take() -> bool:
+        try:
+            taken.append(backend.acquire("tick", holder="beat-2"))
+        except LockContended:
+            return False
+        return True
+
+    until(take, 10, "the tick key free after its ttl")
+    assert time.time() - acquired >= 2.0 - 0.35  # the acquisition was up to the print earlier
+    assert len(backend.queue("tick")) == 1
+
+
+def test_a_forgotten_lease_keeps_its_place_ahead_of_a_waiter(url: str) -> None:
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("tick-line", ttl=1.0, holder="beat-1")
+    order: list[str] = []
+    waiting = waiter(other(url), "tick-line", order, "beat-2")
+    until(partial(queued, backend, "tick-line", 2), 10, "the waiter queued")
+    backend.forget(lease)
+    forgotten = time.monotonic()
+    assert [h.task_id for h in backend.queue("tick-line")] == ["beat-1", "beat-2"]
+    waiting.join(15)
+    assert order == ["beat-2"]
+    assert time.monotonic() - forgotten >= 0.5  # it waited out (most of) the ttl
