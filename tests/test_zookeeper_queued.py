@@ -8,6 +8,7 @@ that must not happen.
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import subprocess
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,8 @@ from celery_dlock.errors import LockContended
 from celery_dlock.lease import Lease
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from celery_dlock.zookeeper.nodes import parse_name
+from tests.celery_fixtures import make_mode, submit_concurrently
+from tests.workers import Journal, Worker, use_lock_urls
 from tests.zookeeper import ZkServer, skip_reason, standalone
 
 REASON = skip_reason()
@@ -389,3 +393,64 @@ def test_a_forgotten_lease_keeps_its_place_ahead_of_a_waiter(url: str) -> None:
     waiting.join(15)
     assert order == ["beat-2"]
     assert time.monotonic() - forgotten >= 0.5  # it waited out (most of) the ttl
+
+
+# -- enqueue-time mode with a real worker -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zk_celery(zk: ZkServer, celery_base: str) -> Iterator[tuple[Any, Journal, str]]:
+    """A ``celery worker`` (tests.worker_app) whose locks are on ZooKeeper, the test
+    process's copy of the app pointed at the same servers, its journal, the lock URL. The
+    environment is only the worker's: nothing leaks to other modules' workers."""
+    zk_url = f"zookeeper://{zk.hosts}/celery-{uuid.uuid4().hex[:8]}?timeout=4"
+    env = {**make_mode("zk", celery_base).env, "DLOCK_TEST_LOCK_URL": zk_url}
+    from tests import worker_app
+
+    worker_app.app.conf.update(
+        broker_url=env["DLOCK_TEST_BROKER"], result_backend=env["DLOCK_TEST_BACKEND"]
+    )
+    use_lock_urls(worker_app.app, [zk_url])
+    journal = Journal(env["DLOCK_TEST_JOURNAL"])
+    journal.clear()
+    worker = Worker(env, journal, name="zk", app="tests.zk_worker_app").start()
+    try:
+        yield worker_app, journal, zk_url
+    finally:
+        # Results of merged publishes unsubscribe when collected: while Redis still runs.
+        gc.collect()
+        worker.stop()
+        close_all()
+
+
+def test_enqueue_mode_on_zookeeper_merges_duplicates_and_frees_the_key(
+    zk_celery: tuple[Any, Journal, str],
+) -> None:
+    wa, journal, _ = zk_celery
+    manager = wa.enqueued._dlock().manager
+    assert isinstance(manager, ZooKeeperBackend)
+    results = submit_concurrently(wa.enqueued.delay, [(("zk-queued", 1.0), {})] * 10)
+    assert len({r.id for r in results}) == 1  # every duplicate got the queued task's result
+    key = wa.enqueued.lock_key_for(("zk-queued", 1.0), {})
+    assert results[0].get(timeout=20) == "zk-queued"
+    assert len(journal.select("start", name="zk-queued")) == 1
+    until(lambda: manager.holder(key) is None, 10, "the key free after the run")
+    assert manager.queue(key) == []  # no timed node left behind
+
+
+def test_enqueue_mode_retry_on_zookeeper_hands_the_key_to_the_retry(
+    zk_celery: tuple[Any, Journal, str],
+) -> None:
+    wa, journal, _ = zk_celery
+    manager = wa.enqueued_flaky._dlock().manager
+    result = wa.enqueued_flaky.delay("zk-kept", 2.0)
+    journal.wait_for("end", name="zk-kept")
+    # During the countdown the key belongs to the retry message: duplicates map to it.
+    assert wa.enqueued_flaky.delay("zk-kept", 2.0).id == result.id
+    key = wa.enqueued_flaky.lock_key_for(("zk-kept", 2.0), {})
+    holder = manager.holder(key)
+    assert holder is not None
+    assert (holder.task_id, holder.queued) == (result.id, True)
+    assert result.get(timeout=20) == 1
+    assert [s["retries"] for s in journal.select("start", name="zk-kept")] == [0, 1]
+    until(lambda: manager.holder(key) is None, 10, "the key free after the retry ran")
