@@ -454,3 +454,27 @@ def test_enqueue_mode_retry_on_zookeeper_hands_the_key_to_the_retry(
     assert result.get(timeout=20) == 1
     assert [s["retries"] for s in journal.select("start", name="zk-kept")] == [0, 1]
     until(lambda: manager.holder(key) is None, 10, "the key free after the retry ran")
+
+
+# -- no accumulation ----------------------------------------------------------------------------
+
+
+def test_a_keys_parent_is_a_container_the_servers_delete_once_empty(url: str) -> None:
+    """Keys used once leave nothing behind (the test servers check containers every 0.5 s)."""
+    backend = ZooKeeperBackend(url)
+    client = backend.shared.start()
+    parent = backend.parent("once")
+    lease = backend.acquire("once", holder="task-1")
+    assert client.exists(parent) is not None  # (a container's stat shows no mark of it)
+    lease.release()
+    until(lambda: client.exists(parent) is None, 10, "the empty parent deleted")
+    again = backend.acquire("once", holder="task-2")  # the parent is made again
+    assert backend.holder("once") is not None
+    again.release()
+
+
+def test_an_expired_timed_node_is_deleted_by_an_inspection(url: str) -> None:
+    publish(ZooKeeperBackend(url), "left", "task-l", ttl=0.3)
+    operator = other(url)
+    until(lambda: operator.holder("left") is None, 10, "the expired queued lock seen as free")
+    assert operator.queue("left") == []  # deleted, not only ignored

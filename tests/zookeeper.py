@@ -54,6 +54,8 @@ JAVA_OPTS = [
     "-XX:TieredStopAtLevel=1",  # C1 only: a faster start, enough for tests
     "-Dzookeeper.admin.enableServer=false",
     "-Dzookeeper.4lw.commands.whitelist=*",
+    # Empty container nodes (a key's parent) are deleted after at most this (default: 60 s).
+    "-Dznode.container.checkIntervalMs=500",
 ]
 
 _install_lock = threading.Lock()

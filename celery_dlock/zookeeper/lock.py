@@ -90,7 +90,10 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -313,6 +316,60 @@ class _Guard:
         lease.mark_lost(
             "its lock node was deleted by another client (celery dlock release, or an operator)"
         )
+
+
+class _Reaper:
+    """One daemon thread per process that runs jobs when due: deleting this process's
+    forgotten nodes when their ttl is up (:meth:`ZooKeeperBackend.forget`). A job returns in
+    how many seconds to run it again, or None; it gives up after ``TRIES`` runs (the key's
+    next contender deletes the node then)."""
+
+    TRIES = 20
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # the thread did not survive the fork
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, int, Callable[[], float | None]]] = []
+        self._serial = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, due: float, job: Callable[[], float | None], tries: int = 0) -> None:
+        """Run ``job`` at ``due`` (``time.monotonic()``)."""
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._serial), tries, job))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="dlock-zk-reaper", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                due, _, tries, job = self._heap[0]
+                left = due - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+            try:
+                again = job()
+            except Exception:
+                log.debug("timed node clean-up failed", exc_info=True)
+                again = None
+            if again is not None and tries + 1 < self.TRIES:
+                self.add(time.monotonic() + again, job, tries + 1)
+
+
+#: This process's clean-up thread for forgotten nodes.
+reaper = _Reaper()
 
 
 class _Attempt:
@@ -1078,8 +1135,9 @@ class ZooKeeperBackend:
         process ends (a beat tick key). A session node is replaced by a timed node in its place
         in line, living ``ttl`` from the session node's creation (from the replacement's, if
         the acquisition waited in line: its ttl then counts from when it got the key, later);
-        a timed node (a queued lock) is simply left to its ttl. This process also deletes the
-        node at its expiry if it is still running; else the key's next contender does."""
+        a timed node (a queued lock) is simply left to its ttl. This process also deletes a
+        forgotten session lease's node at its expiry if it is still running (one thread,
+        :data:`reaper`); else the key's next contender does."""
         assert isinstance(lease, ZkLease)
         session = self.shared
         with lease.io_lock:
@@ -1106,43 +1164,33 @@ class ZooKeeperBackend:
                         lease.token,
                         exc,
                     )
-        if path is None:
-            return
-        timer = threading.Timer(
-            max(0.0, lease.acquired_at + lease.ttl - time.monotonic()),
-            self._reap_at_expiry,
-            (path, lease.ttl),
-        )
-        timer.daemon = True
-        timer.start()
+        if path is None or timed:
+            return  # a queued lock: adopted, or deleted by the key's next contender
+        reaper.add(lease.acquired_at + lease.ttl, partial(self._reap_at_expiry, path, lease.ttl))
 
-    def _reap_at_expiry(self, path: str, ttl: float, tries: int = 0) -> None:
+    def _reap_at_expiry(self, path: str, ttl: float) -> float | None:
         """Delete a forgotten node once expired on the leader's clock (a session node left by
-        a failed replacement: at once); if not yet, look again when it should be."""
+        a failed replacement: at once). Returns in how many seconds to look again (not yet
+        expired, or no server answered), or None when done."""
         session = self.shared
         parent = path.rsplit("/", 1)[0]
         try:
             client = session.start()
             found = self._read(client, session, path)
             if found is None:
-                return
+                return None
             raw, stat = found
             if stat.ephemeralOwner:
                 self._reap(client, session, path, stat.version)
-                return
+                return None
             now_ms, _ = self._stamp(client, session, parent)
             left_ms = expires_ms(raw, stat, ttl) - now_ms
             if left_ms <= 0:
                 self._reap(client, session, path, stat.version)
-                return
-            delay = left_ms / 1000.0
+                return None
+            return left_ms / 1000.0
         except UNREACHABLE:
-            if tries >= 10:
-                return  # the key's next contender deletes it
-            delay = session.negotiated / 3
-        timer = threading.Timer(delay, self._reap_at_expiry, (path, ttl, tries + 1))
-        timer.daemon = True
-        timer.start()
+            return session.negotiated / 3
 
     def hand_over(self, lease: Lease, ttl: float) -> str | None:
         """Turn ``lease`` into the queued lock of its own task's next message (a retry): its
