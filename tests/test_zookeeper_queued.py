@@ -29,7 +29,7 @@ from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from celery_dlock.zookeeper.nodes import parse_name
 from tests.celery_fixtures import make_mode, submit_concurrently
 from tests.workers import Journal, Worker, use_lock_urls
-from tests.zookeeper import ZkServer, skip_reason, standalone
+from tests.zookeeper import ZkServer, ensemble, skip_reason, standalone
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -478,3 +478,46 @@ def test_an_expired_timed_node_is_deleted_by_an_inspection(url: str) -> None:
     operator = other(url)
     until(lambda: operator.holder("left") is None, 10, "the expired queued lock seen as free")
     assert operator.queue("left") == []  # deleted, not only ignored
+
+
+# -- a three-node ensemble ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_queued_locks_survive_a_leader_change_then_expire_or_are_adopted() -> None:
+    """Timed nodes are ensemble state like any other: a new leader keeps them, and their
+    expiry is measured on its clock (one machine here: the clocks agree)."""
+    with ensemble(3) as group:
+        url = f"zookeeper://{group.hosts}/eq-{uuid.uuid4().hex[:8]}?timeout=6"
+        token = int(
+            in_other_process(
+                url,
+                "p = b.send_queued('kept', 60, holder='task-k')\n"
+                "lease = p.finish()\nb.forget(lease)\nprint(lease.token)",
+            )
+        )
+        publish(ZooKeeperBackend(url), "brief", "task-b", ttl=2.0)
+        published = time.monotonic()
+        group.leader().stop(kill=True)
+        assert group.leader().running
+        backend = other(url.replace("timeout=6", "timeout=4"))
+        until(lambda: _serving(backend), 30, "the ensemble serving again")
+        holder = backend.holder("kept")
+        assert holder is not None
+        assert (holder.task_id, holder.queued, holder.fence) == ("task-k", True, token)
+        adopted = backend.acquire("kept", holder="task-k", takeover="task-k")
+        assert adopted.token > token
+        assert (adopted.token >> 32) > (token >> 32)  # created under the new leader's epoch
+        adopted.release()
+        brief = backend.acquire("brief", holder="task-n", wait=30)  # waits for its expiry
+        assert time.monotonic() - published >= 1.95
+        brief.release()
+        close_all()
+
+
+def _serving(backend: ZooKeeperBackend) -> bool:
+    try:
+        backend.holder("probe")
+    except Exception:
+        return False
+    return True
