@@ -112,13 +112,21 @@ def publish(backend: ZooKeeperBackend, key: str, task_id: str, ttl: float = 30.0
 
 
 def waiter(
-    backend: ZooKeeperBackend, key: str, order: list[str], name: str, **kwargs: object
+    backend: ZooKeeperBackend,
+    key: str,
+    order: list[str],
+    name: str,
+    tokens: list[int] | None = None,
+    **kwargs: object,
 ) -> threading.Thread:
-    """A thread that waits for ``key``, appends ``name`` to ``order`` once in, and releases."""
+    """A thread that waits for ``key``, appends ``name`` to ``order`` (and its lease's token
+    to ``tokens``) once in, and releases."""
 
     def run() -> None:
-        with backend.acquire(key, wait=30, holder=name, **kwargs):  # type: ignore[arg-type]
+        with backend.acquire(key, wait=30, holder=name, **kwargs) as lease:  # type: ignore[arg-type]
             order.append(name)
+            if tokens is not None:
+                tokens.append(lease.token)
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -222,11 +230,12 @@ def test_waiters_behind_a_queued_lock_are_admitted_in_order_after_adoption(url: 
     publish(ZooKeeperBackend(url), "line", "task-q")
     watcher = other(url)
     order: list[str] = []
+    tokens: list[int] = []
     threads = []
     for n in range(4):
         # each waiter on its own session, queued one after the other
         backend = ZooKeeperBackend(url.replace("timeout=4", f"timeout={5 + n}"))
-        threads.append(waiter(backend, "line", order, f"w{n}"))
+        threads.append(waiter(backend, "line", order, f"w{n}", tokens))
         until(partial(queued, watcher, "line", n + 2), 10, f"waiter {n} queued")
     adopted = watcher.acquire("line", holder="task-q", takeover="task-q")
     assert [h.task_id for h in watcher.queue("line")] == ["task-q", "w0", "w1", "w2", "w3"]
@@ -235,17 +244,20 @@ def test_waiters_behind_a_queued_lock_are_admitted_in_order_after_adoption(url: 
     for thread in threads:
         thread.join(20)
     assert order == ["w0", "w1", "w2", "w3"]
+    assert adopted.token < tokens[0] < tokens[1] < tokens[2] < tokens[3]
 
 
 def test_no_two_holders_among_random_publishes_adoptions_and_waiters(url: str) -> None:
     """Random interleavings of publishers, adopting workers and plain contenders on one key:
-    at no time do two of them act as holders (a queued lock is held by no running body)."""
+    at no time do two of them act as holders (a queued lock is held by no running body), and
+    their fencing tokens strictly increase in the order they held the key."""
     rng = random.Random(20261125)
     inside = 0
     overlaps = 0
     entered = 0
     guard = threading.Lock()
     published: list[str] = []
+    held_tokens: list[int] = []  # in the order the holders got the key
 
     def body(lease: Lease) -> None:
         nonlocal inside, overlaps, entered
@@ -253,6 +265,7 @@ def test_no_two_holders_among_random_publishes_adoptions_and_waiters(url: str) -
             inside += 1
             entered += 1
             overlaps += inside > 1
+            held_tokens.append(lease.token)
         time.sleep(rng.random() * 0.003)  # hold it a little: widen any window for an overlap
         with guard:
             inside -= 1
@@ -271,19 +284,16 @@ def test_no_two_holders_among_random_publishes_adoptions_and_waiters(url: str) -
                         published.append(task)
                 except LockContended:
                     pass
-            elif roll < 0.7:
-                with guard:
-                    adoptable = published.pop() if published else task
+            else:
+                with guard:  # an execution of a published task, or a plain contender
+                    adoptable = published.pop() if published and roll < 0.7 else None
                 try:
                     lease = backend.acquire(
-                        "mixed", holder=adoptable, takeover=adoptable, wait=local.random() * 0.5
+                        "mixed",
+                        holder=adoptable or task,
+                        takeover=adoptable,
+                        wait=local.random() * 0.5,
                     )
-                except LockContended:
-                    continue
-                body(lease)
-            else:
-                try:
-                    lease = backend.acquire("mixed", holder=task, wait=local.random() * 0.5)
                 except LockContended:
                     continue
                 body(lease)
@@ -296,6 +306,8 @@ def test_no_two_holders_among_random_publishes_adoptions_and_waiters(url: str) -
     assert not any(thread.is_alive() for thread in threads)
     assert entered > 5  # the run did exercise the lock
     assert overlaps == 0
+    assert held_tokens == sorted(held_tokens)
+    assert len(set(held_tokens)) == len(held_tokens)  # strictly increasing
 
 
 # -- hand-over to a retry -----------------------------------------------------------------------
@@ -306,7 +318,8 @@ def test_hand_over_keeps_the_place_in_line_until_the_retry_adopts_it(url: str) -
     running = backend.acquire("retry", holder="task-r")
     watcher = other(url)
     order: list[str] = []
-    waiting = waiter(other(url), "retry", order, "task-w")
+    tokens: list[int] = []
+    waiting = waiter(other(url), "retry", order, "task-w", tokens)
     until(partial(queued, watcher, "retry", 2), 10, "the waiter queued")
     nonce = backend.hand_over(running, 30)
     assert nonce is not None
@@ -323,6 +336,8 @@ def test_hand_over_keeps_the_place_in_line_until_the_retry_adopts_it(url: str) -
     retried.release()
     waiting.join(10)
     assert order == ["task-w"]
+    # The waiter's node is older than the retry's, yet it holds later: a larger token.
+    assert tokens[0] > retried.token
 
 
 def test_a_handed_over_key_outlives_the_process_and_its_nonce_frees_it(url: str) -> None:

@@ -47,32 +47,39 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
 * **Replacements keep the key's place in line.** A hand-over (the holder's node becomes its
   retry's queued lock), an adoption (a worker starting a queued task takes over its queued
   lock) and a forget (a session node becomes timed) are each ONE multi-op transaction: create
-  the replacement, ``setData`` the replaced node, delete it. The replacement's name carries
-  ``~o<order>``, the replaced node's order, so it sorts exactly where the replaced node was;
-  nobody can be admitted in between, because the replaced node is gone only when the
-  replacement exists. The ``setData`` is there for the waiter right behind: its watch on the
-  replaced node then fires as a *change*, not a deletion, so it lists the children again and
-  watches the replacement, instead of taking the deletion as its turn (a waiter admits itself
-  without listing again only on a deletion, see :meth:`ZooKeeperBackend._queue`).
+  the replacement, ``setData`` the replaced node (its reply carries the transaction's zxid
+  and time, which kazoo's reply to a create in a multi does not), delete it. The
+  replacement's name carries ``~o<order>``, the replaced node's order, so it sorts exactly
+  where the replaced node was; nobody can be admitted in between, because the replaced node
+  is gone only when the replacement exists. The waiter right behind sees its watch fire and
+  lists the children again, as after any change of its predecessor: it finds the replacement
+  ahead of it and watches that instead.
 * **Adoption.** A worker's acquisition for task ``T`` (``takeover=T``) that finds the first
   node in line to be ``T``'s queued lock (its name carries ``~q`` and the hash of ``T``, so a
   plain listing shows it) replaces that node and its own new node with one session node in
   the queued lock's place. A non-matching acquisition waits behind it or is refused, naming
   the queued task, whose duplicates are thus merged into it. A queued lock is adopted even if
   its ttl ran out unnoticed (nobody deleted it yet): the task it was queued for is running.
-* **Fencing token** = the lock node's ``czxid``, the id of the transaction that created it.
-  ZooKeeper's leader stamps every write with a zxid (epoch in the high 32 bits, a counter in
-  the low 32) and every server applies writes in zxid order, so zxids strictly increase across
-  the whole ensemble, through leader changes (a new leader starts a higher epoch)
+* **Fencing token** = a zxid, the id ZooKeeper's leader gives each write (epoch in the high
+  32 bits, a counter in the low 32); every server applies writes in zxid order, so zxids
+  strictly increase across the whole ensemble, through leader changes (a new leader starts a
+  higher epoch)
   (https://zookeeper.apache.org/doc/current/zookeeperInternals.html#sc_guaranteesPropertiesDefinitions).
-  Holders of a key hold it in line order, and a node is first in line only after every node
-  created before it that was ahead of it is gone; a replacement is created by a later
-  transaction than the node it replaces. So each holder's token exceeds every earlier
-  holder's, timed or not. A queued lock reports its own timed node's ``czxid``; the
-  execution that adopts it reports its replacement's (the transaction's zxid: every operation
-  of a multi shares it), larger. A hand-over therefore does not keep the token as Redis does:
-  the retry's queued lock, then its execution, each get a larger one, which keeps the promise
-  (strictly increasing per key). It does not survive wiping the ensemble's data.
+  The token is the zxid from which the node is known to be first in line: the ``pzxid`` (the
+  zxid of the last change to the parent's children) of the listing that shows our node first,
+  or, for an adoption, the transaction's zxid. Strictly increasing per key, replacements or
+  not: the previous holder's token was read before its node was removed (so it is below the
+  zxid of that removal), and our listing shows the node gone (so its pzxid is at least that
+  zxid). The node's own ``czxid`` would not do: a replacement is created later than the
+  waiters queued behind the node it replaces, yet holds before them. So a waiter lists the
+  children again after every change of its predecessor, even a deletion (kazoo's ``Lock``
+  does the same). A free key's token is its node's ``czxid`` unless the key's children
+  changed between our create and our listing. ``Holder.fence`` (``holder()``, ``celery
+  dlock``) shows the holder's node's ``czxid``: at most its lease's token. A queued lock
+  gets its token as any acquisition does (a hand-over's: the transaction's zxid), below the
+  token of the execution that adopts it. A hand-over therefore does not keep the token as
+  Redis does: the retry's queued lock, then its execution, each get a larger one, which keeps
+  the promise. Tokens do not survive wiping the ensemble's data.
 * **Identity.** The node's data is one line of JSON (the random nonce, task id, task name,
   host, pid, start time, queued flag; a timed node's ttl) that ``celery dlock`` reads; the
   nonce also prefixes the node's name, so a create whose reply was lost is found again (the
@@ -176,10 +183,10 @@ def _failed(results: Sequence[Any]) -> BaseException | None:
 
 
 class NodeLease(ZkLease):
-    """A lease on one lock node, with what :meth:`ZooKeeperBackend.forget` and
-    :meth:`ZooKeeperBackend.hand_over` need: when the node was made, on the leader's clock
-    (``ctime_ms``), whether the acquisition waited in line, and whether the node is timed
-    (then the lease is valid for its ttl, not for as long as the session)."""
+    """A lease on one lock node, with what :meth:`ZooKeeperBackend.forget` needs: when the
+    node was made, on the leader's clock (``ctime_ms``), whether the acquisition waited in
+    line, and whether the node is timed (then the lease is valid for its ttl, not for as long
+    as the session, and forgetting it changes nothing on the servers)."""
 
     def __init__(
         self, backend: Any, path: str, *, ctime_ms: int, waited: bool, timed: bool, **kwargs: Any
@@ -207,7 +214,7 @@ class _Won(NamedTuple):
     """Where an acquisition ended up first in line."""
 
     path: str
-    czxid: int
+    token: int  # the zxid at or after which the node was seen first in line (see _queue)
     ctime_ms: int
     proven: float  # when the request that proved it (and the session) was sent
     waited: bool
@@ -221,6 +228,7 @@ class _Entered(NamedTuple):
     stat: ZnodeStat
     received: float  # when the create's reply arrived (its ctime is the leader's "now")
     children: list[str]
+    pzxid: int  # the parent's pzxid in that listing: the zxid of its last child change
 
 
 class _Guard:
@@ -420,7 +428,9 @@ class _Attempt:
             sequence=True,
             include_data=True,
         )
-        self.listing = self.client.get_children_async(self.parent, watch=self.guard.on_children)
+        self.listing = self.client.get_children_async(
+            self.parent, watch=self.guard.on_children, include_data=True
+        )
 
 
 class _Pending:
@@ -619,7 +629,7 @@ class ZooKeeperBackend:
             waited=won.waited,
             timed=timed,
             key=key,
-            token=won.czxid,
+            token=won.token,
             head=attempt.data.decode(),
             holder=attempt.holder,
             ttl=attempt.ttl,
@@ -665,18 +675,24 @@ class ZooKeeperBackend:
                 if found is None:
                     raise
                 path, stat = found
-                attempt.listing = client.get_children_async(parent, watch=attempt.guard.on_children)
+                attempt.listing = client.get_children_async(
+                    parent, watch=attempt.guard.on_children, include_data=True
+                )
             received = time.monotonic()
             try:
-                children = list(attempt.listing.get(timeout=timeout))
+                children, listed = attempt.listing.get(timeout=timeout)
             except (NoNodeError, ConnectionLoss):  # listed before the parent was made, or lost
-                children = []
+                children, listed = [], None
             if path.rsplit("/", 1)[1] not in children:
                 watched = partial(
-                    client.get_children_async, parent, watch=attempt.guard.on_children
+                    client.get_children_async,
+                    parent,
+                    watch=attempt.guard.on_children,
+                    include_data=True,
                 )
-                children = list(session.call(watched))
-            return _Entered(path, stat, received, children)
+                children, listed = session.call(watched)
+            pzxid = max(int(stat.czxid), int(listed.pzxid) if listed is not None else 0)
+            return _Entered(path, stat, received, list(children), pzxid)
         raise LockUnavailable(
             f"cannot lock {attempt.key!r}: its parent node {parent} keeps vanishing",
             key=attempt.key,
@@ -769,6 +785,7 @@ class ZooKeeperBackend:
         path = entered.path
         name = path.rsplit("/", 1)[1]
         children = entered.children
+        pzxid = entered.pzxid  # of the last listing
         proven = attempt.begun  # the create's send time
         # The freshest stamp of the leader's clock, and when its reply arrived here.
         now_ms, now_at = int(entered.stat.ctime), entered.received
@@ -785,8 +802,10 @@ class ZooKeeperBackend:
                 )
             position = names.index(name)
             if position == 0:
-                stat = entered.stat
-                return _Won(path, int(stat.czxid), int(stat.ctime), proven, waited, attempt.guard)
+                # The token: the pzxid of the listing that shows us first (see the module
+                # docstring: it is at least the zxid of our predecessor's removal).
+                ctime = int(entered.stat.ctime)
+                return _Won(path, pzxid, ctime, proven, waited, attempt.guard)
             head = line[0]
             if mine is not None and head.task == mine:
                 adopted = self._adopt(attempt, head, path, waited)
@@ -801,15 +820,15 @@ class ZooKeeperBackend:
                     raise refusal
             else:
                 waited = True
-                now_ms, now_at, proven, done = self._wait_behind(
-                    attempt, line[position - 1], position, deadline, now_ms, now_at, proven
+                now_ms, now_at = self._wait_behind(
+                    attempt, line[position - 1], deadline, now_ms, now_at
                 )
-                if done:
-                    stat = entered.stat
-                    return _Won(path, int(stat.czxid), int(stat.ctime), proven, True, attempt.guard)
             try:
                 asked = time.monotonic()
-                children = list(session.call(lambda: client.get_children_async(parent)))
+                children, listed = session.call(
+                    lambda: client.get_children_async(parent, include_data=True)
+                )
+                pzxid = int(listed.pzxid)
                 proven = asked
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "wait for", exc) from exc
@@ -844,29 +863,28 @@ class ZooKeeperBackend:
         self,
         attempt: _Attempt,
         predecessor: NodeName,
-        position: int,
         deadline: float | None,
         now_ms: int,
         now_at: float,
-        proven: float,
-    ) -> tuple[int, float, float, bool]:
-        """Watch the node just ahead of ours until it changes, ``deadline``, or (a timed node)
-        its expiry. Returns the freshest clock stamp, when it arrived, the proof time, and
-        True when we are certainly first in line now (no need to list again)."""
+    ) -> tuple[int, float]:
+        """Watch the node just ahead of ours until it changes or goes, ``deadline``, or (a
+        timed node) its expiry; the caller then lists again. Returns the freshest stamp of
+        the leader's clock and when its reply arrived.
+
+        There is no short cut admitting us on the predecessor's deletion without listing
+        again (as a plain lock recipe may): a replacement may have taken a place ahead of
+        us meanwhile, and the listing's pzxid is our fencing token (module docstring)."""
         client, session, guard = attempt.client, attempt.session, attempt.guard
         woken = threading.Event()
-        events: list[WatchedEvent] = []
         pred_path = f"{attempt.parent}/{predecessor.name}"
 
-        def wake(event: WatchedEvent) -> None:
-            events.append(event)
+        def wake(_event: WatchedEvent) -> None:
             woken.set()
 
         try:
             with session.lock:
                 session.waiters.add(woken)
             guard.watch_own(now=True)  # sent with the next request: ready once admitted
-            asked = time.monotonic()
             wake_at: float | None = None
             watching = False
             if predecessor.timed:
@@ -876,31 +894,20 @@ class ZooKeeperBackend:
                     left_ms = expires_ms(raw, stat, self.ttl) - now_ms
                     if left_ms <= 0:
                         self._reap(client, session, pred_path, stat.version)
-                        return now_ms, now_at, asked, False  # list again
+                        return now_ms, now_at
                     watching = True
                     # Counted from when the stamp's reply arrived: the expiry comes no
                     # earlier on this clock, so we wake late rather than early.
                     wake_at = now_at + left_ms / 1000.0
             else:
-                watching = (
-                    session.call(partial(client.exists_async, pred_path, watch=wake)) is not None
-                )
-            proven = asked
+                exists = partial(client.exists_async, pred_path, watch=wake)
+                watching = session.call(exists) is not None
             if watching:
                 limits = [t for t in (deadline, wake_at) if t is not None]
                 woken.wait(None if not limits else max(0.0, min(limits) - time.monotonic()))
             if wake_at is not None and not woken.is_set() and time.monotonic() >= wake_at:
                 now_ms, now_at = self._stamp(client, session, attempt.parent)
-                return now_ms, now_at, proven, False  # list again: the next round checks it
-            deleted = any(e.type == EventType.DELETED for e in events)
-            fresh = time.monotonic() - proven < session.negotiated / 3
-            # Our listing came after our create, so it showed every node ahead of ours; only
-            # the predecessor was. It was deleted (a replacement would have fired a change
-            # first, see the module docstring): ours is first, no need to list again (saves
-            # a round trip on every hand-over between waiters). After a long wait the listing
-            # is sent anyway: its answer is the fresh proof the lease's validity needs.
-            done = position == 1 and deleted and fresh and not guard.deleted
-            return now_ms, now_at, proven, done
+            return now_ms, now_at
         except KAZOO_ERRORS as exc:
             raise self._unavailable(attempt.key, "wait for", exc) from exc
         finally:
@@ -936,7 +943,8 @@ class ZooKeeperBackend:
             return None
         new_path, stat = results[0], results[1]
         # Every operation of a multi has the transaction's zxid and time: the setData's stat
-        # carries the replacement's czxid and ctime.
+        # carries the replacement's czxid (our token: we are first from that zxid on) and
+        # its ctime.
         return self._adopted(attempt, new_path, int(stat.mzxid), int(stat.mtime), asked, waited)
 
     def _settle(self, attempt: _Attempt, path: str, asked: float, waited: bool) -> _Won | None:
