@@ -15,7 +15,8 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
 * **Cost.** The create and the listing of the parent are sent back to back on the session's
   connection, which ZooKeeper answers in order, so the listing already shows our node: taking a
   free key is one create and one list in one round trip; a refusal (``wait=0``) adds the read
-  of the holder's identity and the delete of our node, again in one round trip.
+  of the holder's identity and the delete of our node, again in one round trip; a release
+  admits the next waiter after one listing of its own (see the fencing token).
 * **Session nodes** (ephemeral) are what :meth:`ZooKeeperBackend.acquire` takes: the lease
   lasts as long as the session, and its validity follows the session (:class:`ZkLease`).
 * **Timed nodes** (persistent) hold a key for a ttl whatever becomes of the process that made
@@ -35,11 +36,15 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
   (version-checked) and looks again; a waiter queued behind a timed node reads its remaining
   life (``from + ttl`` minus the fresh stamp), sleeps that long counted from when the stamp's
   reply *arrived* (so it wakes late, not early), then takes a new stamp and checks again. The
-  process that made a forgotten node also deletes it at its expiry if it is still alive; an
-  expired node nobody deleted is deleted by the key's next contender, or by an operator's
-  ``celery dlock`` inspection of the key. Clock assumption (the same as a Redis key's ttl,
-  which runs on the master's clock): the leader's wall clock runs at the rate of real time
-  (within the drift factor) and is not stepped; across a leader change between the two stamps
+  process that forgot a session lease (a tick key) also deletes its timed node at expiry if
+  it is still alive; an expired node nobody deleted is deleted by the key's next contender,
+  or by an operator's ``celery dlock`` inspection of the key. A timed node whose acquisition
+  was refused is deleted at once; should its process die in that round trip, the node waits
+  in line until its ttl ends (on Redis, a publisher dying between taking a queued lock and
+  publishing likewise leaves the key held for its ttl). Clock assumption (the same as a Redis
+  key's ttl, which runs on the master's clock): the leader's wall clock runs at the rate of
+  real time (a clock running fast ends timed nodes early by its rate error) and is not
+  stepped; across a leader change between the two stamps
   (the zxid's epoch, its high 32 bits, changes) the old and new leaders' clocks must agree
   (NTP), else the expiry comes early or late by their difference. ZooKeeper's own TTL nodes
   were not used: they need ``extendedTypesEnabled`` on every server, and the server deletes
