@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Auth
 from kazoo.retry import KazooRetry
 from kazoo.security import make_digest_acl
 
@@ -79,7 +80,8 @@ _CONNECT_FAILURES = ("Connection dropped", "Connection time-out")
 
 class _SessionLog(logging.Filter):
     """Reads the negotiated session timeout from kazoo's "Session created" record (and keeps
-    kazoo's last connection error, for :meth:`SharedClient.start`'s error).
+    kazoo's last connection error, for :meth:`SharedClient.start`'s error; and hides the
+    password of the digest ``Auth`` request kazoo logs).
 
     kazoo keeps the timeout the servers granted only in a local variable and logs it (at its
     BLATHER level, 5); the servers may grant less than was asked (``maxSessionTimeout``), and
@@ -92,6 +94,11 @@ class _SessionLog(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args: Any = record.args
+        if isinstance(args, tuple) and any(isinstance(arg, Auth) for arg in args):
+            # kazoo logs each request it sends at DEBUG, the digest "user:password" included.
+            record.args = tuple(
+                arg._replace(auth="***") if isinstance(arg, Auth) else arg for arg in args
+            )
         if isinstance(record.msg, str) and record.msg.startswith(_CONNECT_FAILURES):
             # Why the last connection attempt failed (a TLS error, say): start() reports it.
             self._shared.last_error = record.getMessage()
