@@ -464,17 +464,24 @@ _TLS_HINTS = (
         "add ssl_certfile=/path/to/client.crt and ssl_keyfile=/path/to/client.key to the URL",
     ),
     (
-        ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure",
-         "UNEXPECTED_EOF", "EOF occurred in violation of protocol"),
-        "no TLS handshake from the server: if this port serves plain ZooKeeper (clientPort), "
-        "use zookeeper://, or the server's secureClientPort",
+        ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure"),
+        "no TLS from the server: if this port serves plain ZooKeeper (its clientPort), use "
+        "zookeeper://, or the server's secureClientPort",
+    ),
+    (
+        ("UNEXPECTED_EOF", "EOF occurred in violation of protocol"),
+        "the server closed the connection during the TLS handshake: if this port serves plain "
+        "ZooKeeper (its clientPort), use zookeeper://, or the server's secureClientPort; if it "
+        "is the secureClientPort, the server may not trust this client's certificate "
+        "(ssl_certfile, ssl_keyfile)",
     ),
 )  # fmt: skip
 _PLAIN_HINTS = (
     (
-        ("socket connection broken", "Connection reset", "time-out"),
-        "no ZooKeeper answer: if this port expects TLS (the server's secureClientPort), use "
-        "zookeepers:// with ssl_ca_certs=... (and a client certificate if it asks for one)",
+        ("socket connection broken", "Connection reset"),
+        "the server closed the connection at once: if this port expects TLS (the server's "
+        "secureClientPort), use zookeepers:// with ssl_ca_certs=... (and a client certificate "
+        "if it asks for one)",
     ),
 )
 
