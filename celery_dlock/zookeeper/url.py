@@ -260,7 +260,18 @@ def parse(url: object, setting: str = "dlock_urls") -> ZkUrl:
         user, password = unquote(name), unquote(secret)
     if not netloc:
         raise bad("names no server", "list them: 'zookeeper://h1:2181,h2:2181,h3:2181/chroot'.")
-    hosts = _hosts(netloc, bad)
+    try:
+        hosts = _hosts(netloc, bad)
+    except ConfigError:
+        if user is None and "@" in url.partition("://")[2]:
+            # An '@' past the host list: most likely a password with a raw '/', '?' or '#'
+            # ended the host list early, and the bad "host" is part of it: do not show it.
+            raise bad(
+                "the host list is not host:port, and an '@' follows it",
+                "percent-encode '/', '?', '#', '@' and ':' in the user name and password "
+                "(e.g. '/' as %2F).",
+            ) from None
+        raise
     chroot = DEFAULT_CHROOT
     if slash and path.strip("/"):
         chroot = "/" + unquote(path).strip("/")
