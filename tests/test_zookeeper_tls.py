@@ -11,6 +11,7 @@ Skipped with one line when ZooKeeper, java or the netty jars of ``libnetty-java`
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import tempfile
 import time
@@ -272,6 +273,27 @@ def test_an_encrypted_client_key_is_unlocked_by_ssl_password_which_is_never_show
         assert not [s for s in shown if secret in s], secret
     assert "ssl_password=***" in backend.url.shown
     assert "does not decrypt" in str(wrong.value)
+
+
+@needs_zk
+def test_the_tls_context_of_a_url_is_the_one_kazoo_makes_and_reads_four_letter_words(
+    server: TlsZkServer, pems: Pems
+) -> None:
+    """``ZkTls.context()``: for the ``srvr`` health check, which the secure port answers only
+    over TLS (a plain ``srvr`` sent there gets no answer)."""
+    tls = parse(
+        tls_url(server, pems, ssl_keyfile=pems.client_key_encrypted, ssl_password=KEY_PASSWORD)
+    ).tls
+    assert tls is not None
+    with (
+        socket.create_connection(("localhost", server.secure_port), timeout=5) as raw,
+        tls.context().wrap_socket(raw, server_hostname="localhost") as sock,
+    ):
+        sock.sendall(b"srvr")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    assert b"Mode: standalone" in answer
 
 
 # -- refusals: a LockUnavailable naming the cause and the fix, within the connect timeout -----

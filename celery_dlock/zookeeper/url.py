@@ -22,19 +22,21 @@ because the first word of the URL, shown in every log line and error, then says 
 connection is encrypted, and because the ``ssl_*`` options on a plain ``zookeeper://`` URL can be
 refused as the mistake they are instead of silently switching TLS on.
 
-=====================  =========================================================================
-``ssl_ca_certs``       PEM file of the CA(s) that signed the servers' certificates. kazoo trusts
-                       them *in addition to* the system's trusted CAs (redis-py: instead of them)
-``ssl_certfile``       this client's certificate (PEM), for servers that require one
-                       (``ssl.clientAuth``, the default of a ZooKeeper ``secureClientPort``)
-``ssl_keyfile``        its private key (PEM); without it, the key is read from ``ssl_certfile``
-``ssl_password``       the password of an encrypted ``ssl_keyfile`` (never shown: ``***``)
-``ssl_cert_reqs``      ``required`` (the default: the servers' certificates must verify),
-                       ``optional`` (the same, as for any TLS client in Python) or ``none``
-``ssl_check_hostname`` ``true`` (the default unless ``ssl_cert_reqs=none``): each server's
-                       certificate must name the host (or IP address) the URL gives for it.
-                       kazoo's own default is off; redis-py's, and this library's, is on
-=====================  =========================================================================
+======================  ========================================================================
+``ssl_ca_certs``        PEM file of the CA(s) that signed the servers' certificates, trusted
+                        beside the system's trusted CAs (by kazoo as by redis-py)
+``ssl_certfile``        this client's certificate (PEM), for servers that require one
+                        (``ssl.clientAuth``, the default of a ZooKeeper ``secureClientPort``)
+``ssl_keyfile``         its private key (PEM); without it, the key is read from ``ssl_certfile``
+``ssl_password``        the password of an encrypted ``ssl_keyfile`` (never shown: ``***``)
+``ssl_cert_reqs``       ``required`` (the default: the servers' certificates must verify),
+                        ``optional`` (the same, as for any TLS client in Python) or ``none``
+``ssl_check_hostname``  ``true`` (the default unless ``ssl_cert_reqs=none``): each server's
+                        certificate must name the host (or IP address) the URL gives for it.
+                        kazoo's own default is off; redis-py's, and this library's, is on
+======================  ========================================================================
+
+Values are percent-encoded like any URL query value (a ``+`` reads as a space: ``%2B``).
 
 The files are read when the URL is parsed (when the lock is defined), so a missing or unreadable
 file, a key that does not match its certificate, an encrypted key without its password or with
@@ -123,6 +125,22 @@ class ZkTls:
             "verify_certs": self.verify,
             "check_hostname": self.check_hostname,
         }
+
+    def context(self) -> ssl.SSLContext:
+        """An SSL context as kazoo builds one from these options (``create_tcp_connection`` in
+        kazoo/handlers/utils.py), for other connections to the same servers, such as the
+        four-letter words (``srvr``), which a ``secureClientPort`` answers over TLS only.
+        Reads the system's trusted CAs (~0.1 s): not for every call."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+        context.check_hostname = self.check_hostname
+        context.verify_mode = ssl.CERT_REQUIRED if self.verify else ssl.CERT_NONE
+        if self.ca_certs is not None:
+            context.load_verify_locations(self.ca_certs)
+        if self.certfile is not None:
+            args = self.kazoo_args()
+            context.load_cert_chain(self.certfile, args["keyfile"], args["keyfile_password"])
+        return context
 
     def query(self) -> str:
         """The options given, as a URL query, the password as ``***``."""
