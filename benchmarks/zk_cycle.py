@@ -1,8 +1,11 @@
 """ZooKeeper: our lock beside kazoo's own ``Lock`` recipe, in the same run on the same server.
 
-Two measures, each for ``ours`` (``ZooKeeperBackend.acquire(key)`` / ``release()``) and
-``kazoo`` (``client.Lock(path).acquire()`` / ``release()``, one Lock object reused, as kazoo's
-docs show: https://kazoo.readthedocs.io/en/latest/api/recipe/lock.html):
+Two measures, each for ``ours`` (``ZooKeeperBackend.acquire(key)`` / ``release()``), ``lock``
+(the public path users write, ``with celery_dlock.lock([zookeeper_url], key)``) and ``kazoo``
+(``client.Lock(path).acquire()`` / ``release()``, one Lock object reused, as kazoo's docs show:
+https://kazoo.readthedocs.io/en/latest/api/recipe/lock.html), and for scale ``redis``: our
+public path on one local redis-server (``with celery_dlock.lock([redis_url], key)``), in the
+same run:
 
 * ``cycle``  an uncontended acquire + release, back to back, on one key;
 * ``handover``  a holder holds the key while a waiter blocks on it (its node queued, watching
@@ -12,7 +15,10 @@ docs show: https://kazoo.readthedocs.io/en/latest/api/recipe/lock.html):
   the holder's process sharing its client (``--mode thread``).
 
 Each library has its own client (its own session) on one standalone server started here
-(``tests/zookeeper.py``; Debian's zookeeper package) unless ``--hosts`` names one. Rounds
+(``tests/zookeeper.py``; Debian's zookeeper package) unless ``--hosts`` names one. That test
+server runs with ``forceSync=no`` (no fsync per write) and, unless ``--jit full``, a C1-only
+JIT: a production ensemble fsyncs every write to its transaction log before it answers, so
+add the disk's sync latency to every acquire and release (not to a refusal's reads). Rounds
 alternate between the two libraries; each round's median is kept and the medians of those are
 printed, with ours / kazoo (below 1.0: ours is faster).
 
@@ -36,9 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from kazoo.client import KazooClient
+from redis import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import celery_dlock
+import tests.zookeeper as zk_servers
+from celery_dlock.testing import RedisServer
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from tests.zookeeper import skip_reason, standalone
 
@@ -72,6 +82,34 @@ def ours(hosts: str, key: str) -> Contender:
     )
 
 
+def public(hosts: str, key: str) -> Contender:
+    """``with celery_dlock.lock([url], key)``, entered and left by hand."""
+    url = f"zookeeper://{hosts}/bench-public?timeout=10"
+    return _public("lock", url, key, lambda: len(ZooKeeperBackend(url).queue(key)), close_all)
+
+
+def redis(url: str, key: str) -> Contender:
+    """The same public path on one redis-server; a waiter is seen blocked in BLPOP."""
+    monitor = Redis.from_url(url)
+
+    def queued() -> int:
+        blocked = [c for c in monitor.client_list() if "b" in str(c.get("flags", ""))]
+        return 1 + len(blocked)
+
+    return _public("redis", url, key, queued, monitor.close)
+
+
+def _public(
+    name: str, url: str, key: str, queued: Callable[[], int], close: Callable[[], None]
+) -> Contender:
+    def take() -> Any:
+        guard = celery_dlock.lock([url], key, wait=None)
+        guard.__enter__()
+        return guard
+
+    return Contender(name, take, lambda guard: guard.__exit__(None, None, None), queued, close)
+
+
 def kazoo(hosts: str, key: str) -> Contender:
     client = KazooClient(hosts=hosts, timeout=10)
     client.start(timeout=15)
@@ -97,7 +135,12 @@ def kazoo(hosts: str, key: str) -> Contender:
     )
 
 
-MAKERS: dict[str, Callable[[str, str], Contender]] = {"ours": ours, "kazoo": kazoo}
+MAKERS: dict[str, Callable[[str, str], Contender]] = {
+    "ours": ours,
+    "lock": public,
+    "kazoo": kazoo,
+    "redis": redis,
+}
 
 
 def cycle(contender: Contender, n: int) -> float:
@@ -116,12 +159,12 @@ class Waiter:
     acquire once (blocking), read ``perf_counter()`` and release; ``got()`` returns that
     reading. On Linux ``perf_counter`` is ``CLOCK_MONOTONIC``, one clock for all processes."""
 
-    def __init__(self, name: str, hosts: str, key: str, mode: str, here: Contender) -> None:
+    def __init__(self, name: str, where: str, key: str, mode: str, here: Contender) -> None:
         self.mode = mode
         if mode == "process":
             ctx = multiprocessing.get_context("fork")
             self._conn, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_waiter_process, args=(name, hosts, key, child))
+            self._proc = ctx.Process(target=_waiter_process, args=(name, where, key, child))
             self._proc.start()
         else:
             self._here = here
@@ -158,8 +201,8 @@ class Waiter:
             self._proc.join(10)
 
 
-def _waiter_process(name: str, hosts: str, key: str, conn: Any) -> None:
-    contender = MAKERS[name](hosts, key)
+def _waiter_process(name: str, where: str, key: str, conn: Any) -> None:
+    contender = MAKERS[name](where, key)
     try:
         while conn.recv() == "go":
             held = contender.take()
@@ -199,6 +242,18 @@ def server(hosts: str | None) -> Iterator[str]:
         yield zk.hosts
 
 
+@contextlib.contextmanager
+def full_jit(on: bool) -> Iterator[None]:
+    """The test server's JVM without its C1-only flag (a production server's JIT)."""
+    saved = list(zk_servers.JAVA_OPTS)
+    if on:
+        zk_servers.JAVA_OPTS[:] = [o for o in saved if not o.startswith("-XX:TieredStopAtLevel")]
+    try:
+        yield
+    finally:
+        zk_servers.JAVA_OPTS[:] = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", help="an existing server (host:port,...); default: start one")
@@ -211,12 +266,16 @@ def main() -> None:
         default="process",
         help="the hand-over's waiter: a process of its own (default) or a thread of this one",
     )
+    parser.add_argument(
+        "--jit", choices=("c1", "full"), default="c1", help="the started server's JIT"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    with server(args.hosts) as hosts:
+    with full_jit(args.jit == "full"), server(args.hosts) as hosts, RedisServer() as rs:
         key = f"k-{uuid.uuid4().hex[:8]}"
-        pair = [ours(hosts, key), kazoo(hosts, key)]
-        waiters = {c.name: Waiter(c.name, hosts, key, args.mode, c) for c in pair}
+        where = {"ours": hosts, "lock": hosts, "kazoo": hosts, "redis": rs.url}
+        pair = [MAKERS[name](where[name], key) for name in where]
+        waiters = {c.name: Waiter(c.name, where[c.name], key, args.mode, c) for c in pair}
         try:
             for contender in pair:  # warm up: sessions, parent nodes, the JIT of the server
                 cycle(contender, 50)
@@ -242,7 +301,13 @@ def main() -> None:
         for name, measures in results.items()
     }
     if args.json:
-        out = {"rounds": args.rounds, "mode": args.mode, "ms": summary, "raw_s": results}
+        out = {
+            "rounds": args.rounds,
+            "mode": args.mode,
+            "jit": args.jit,
+            "ms": summary,
+            "raw_s": results,
+        }
         print(json.dumps(out, indent=2))
         return
     print(
@@ -250,8 +315,12 @@ def main() -> None:
         f"(waiter: {args.mode})"
     )
     for measure in ("cycle", "handover"):
-        a, b = summary["ours"][measure], summary["kazoo"][measure]
-        print(f"{measure:9} ours {a:7.3f} ms   kazoo {b:7.3f} ms   ours/kazoo {a / b:5.2f}")
+        row = "   ".join(f"{n} {summary[n][measure]:7.3f} ms" for n in summary)
+        ratios = "   ".join(
+            f"{n}/kazoo {summary[n][measure] / summary['kazoo'][measure]:5.2f}"
+            for n in ("ours", "lock")
+        )
+        print(f"{measure:9} {row}   {ratios}")
 
 
 if __name__ == "__main__":

@@ -24,17 +24,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from celery_dlock.testing import terminate
 from tests.clients import client
+from tests.zookeeper import skip_reason as zk_skip_reason
+from tests.zookeeper import standalone
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BLOCK = re.compile(r"(<!-- test: (?P<mark>[^>]*) -->\s*)?```python\n(?P<code>.*?)```", re.S)
 URL = re.compile(r"redis://127\.0\.0\.1:(63\d\d)")
+#: ``zookeeper://127.0.0.1:2181`` in a page: mapped to this suite's standalone ZooKeeper.
+ZK_URL = re.compile(r"zookeeper://127\.0\.0\.1:2181")
 
 
 def pages() -> list[Path]:
@@ -82,13 +87,29 @@ class DocsWorker:
                 os.killpg(self.process.pid, signal.SIGKILL)
 
 
+@pytest.fixture(scope="session")
+def zk_docs_hosts() -> Iterator[str]:
+    """A standalone ZooKeeper for the pages that name ``zookeeper://127.0.0.1:2181``."""
+    reason = zk_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with standalone() as server:
+        yield server.hosts
+
+
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
-def test_examples_run(page: Path, redlock_session_urls: list[str], tmp_path: Path) -> None:
+def test_examples_run(
+    page: Path, redlock_session_urls: list[str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     servers = {6379 + i: url.rsplit("/", 1)[0] for i, url in enumerate(redlock_session_urls)}
     for base in servers.values():
         client(base + "/0").flushall()
     namespace: dict[str, object] = {"__name__": f"docs.{page.stem}"}
-    blocks = list(BLOCK.finditer(page.read_text()))
+    text = page.read_text()
+    if ZK_URL.search(text):
+        zk_hosts = request.getfixturevalue("zk_docs_hosts")
+        text = ZK_URL.sub(f"zookeeper://{zk_hosts}", text)
+    blocks = list(BLOCK.finditer(text))
     worker = DocsWorker(page, tmp_path)
     try:
         for number, block in enumerate(blocks, 1):

@@ -73,6 +73,16 @@ def test_url_parses_hosts_chroot_credentials_and_timeout() -> None:
         ("zookeeper://h1/x?timout=3", "did you mean 'timeout'"),
         ("zookeeper://h1/a/../b", "not a valid ZooKeeper path"),
         ("zookeeper://me@h1/x", "user:password"),
+        ("zookeeper://h1/x?timeout=3&timeout=4", "given twice"),
+        # TLS (zookeepers://); the options with files are in tests/test_zookeeper_tls.py
+        ("zookeeper://h1/x?ssl_ca_certs=/ca.pem", "TLS option and this is a plain zookeeper://"),
+        ("zookeepers://h1/x?ssl_ca_cert=/ca.pem", "did you mean 'ssl_ca_certs'"),
+        ("zookeepers://h1/x?ssl_cert_reqs=maybe", "is not one of required, optional, none"),
+        ("zookeepers://h1/x?ssl_check_hostname=perhaps", "is not true or false"),
+        ("zookeepers://h1/x?ssl_cert_reqs=none&ssl_check_hostname=1", "needs the certificate"),
+        ("zookeepers://h1/x?ssl_ca_certs=/no/such/ca.pem", "is not a file"),
+        ("zookeepers://h1/x?ssl_certfile=", "ssl_certfile is empty"),
+        ("zookeepers://h1/x?ssl_password=pw", "ssl_password without a client key"),
     ],
 )
 def test_bad_url_names_the_setting_the_value_and_the_fix(url: str, says: str) -> None:
@@ -88,6 +98,34 @@ def test_bad_url_hides_the_password() -> None:
     with pytest.raises(ConfigError) as caught:
         parse("zookeeper://me:topsecret@h1:0/x")
     assert "topsecret" not in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        parse("zookeepers://me:top/sec?ret@h1:0/x?ssl_pasword=keypass")  # raw '/', '?'; typo
+    assert "percent-encode '/'" in str(caught.value)
+    for secret in ("top", "sec", "ret", "keypass"):
+        assert secret not in str(caught.value)
+
+
+def test_zookeepers_url_turns_tls_on_verified_and_hostname_checked_by_default() -> None:
+    """The defaults of redis-py's rediss:// (kazoo's own check_hostname default is off)."""
+    url = parse("ZooKeepers://h1:2281,h2:2281/app?ssl_cert_reqs=optional")
+    assert url.scheme == "zookeepers"
+    assert url.shown == "zookeepers://h1:2281,h2:2281/app?ssl_cert_reqs=optional"
+    assert url.kazoo_args() == {
+        "use_ssl": True,
+        "ca": None,
+        "certfile": None,
+        "keyfile": None,
+        "keyfile_password": "",
+        "verify_certs": True,
+        "check_hostname": True,
+    }
+    unverified = parse("zookeepers://h1/app?ssl_cert_reqs=NONE").kazoo_args()
+    assert (unverified["verify_certs"], unverified["check_hostname"]) == (False, False)
+    assert (
+        parse("zookeepers://h1/app?ssl_check_hostname=no").kazoo_args()["check_hostname"] is False
+    )
+    assert parse("zookeeper://h1/app").kazoo_args() == {}
+    assert parse("zookeeper://h1/app").client_key() != parse("zookeepers://h1/app").client_key()
 
 
 def test_bad_prefix_is_refused_with_the_fix() -> None:

@@ -1,4 +1,5 @@
-"""The ZooKeeper backend: ``dlock_urls = ["zookeeper://h1:2181,h2:2181,h3:2181/celery-dlock"]``.
+"""The ZooKeeper backend: ``dlock_urls = ["zookeeper://h1:2181,h2:2181,h3:2181/celery-dlock"]``
+(``zookeepers://`` for TLS).
 
 Needs kazoo (``pip install celery-dlock[zookeeper]``). The lock recipe and its fencing token
 are described in :mod:`celery_dlock.zookeeper.lock`, a lease's validity in
@@ -17,7 +18,7 @@ from celery_dlock.errors import ConfigError
 from celery_dlock.zookeeper.lease import ZkLease
 from celery_dlock.zookeeper.lock import ZooKeeperBackend
 from celery_dlock.zookeeper.session import close_all
-from celery_dlock.zookeeper.url import SCHEME, ZkUrl, is_zookeeper, parse
+from celery_dlock.zookeeper.url import SCHEMES, ZkUrl, is_zookeeper, parse
 
 __all__ = [
     "ZkLease",
@@ -49,5 +50,7 @@ def make_backend(settings: Settings) -> ZooKeeperBackend:
 
 
 # config.BACKENDS maps a URL scheme to the module serving it; this line belongs there (a
-# one-line change of config.py). Until then, importing this package registers it.
-config.BACKENDS.setdefault(SCHEME, __name__)
+# one-line change of config.py: 'zookeeper' and 'zookeepers', TLS). Until then, importing this
+# package registers them.
+for _scheme in SCHEMES:
+    config.BACKENDS.setdefault(_scheme, __name__)

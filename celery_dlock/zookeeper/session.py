@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import ConnectionLoss, KazooException, NoNodeError
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.serialization import Auth
 from kazoo.retry import KazooRetry
 from kazoo.security import make_digest_acl
 
@@ -51,7 +52,7 @@ from celery_dlock import forks
 from celery_dlock.config import drift
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.renewal import watchdog
-from celery_dlock.zookeeper.url import ZkUrl
+from celery_dlock.zookeeper.url import ClientKey, ZkUrl, connect_hint
 
 if TYPE_CHECKING:
     from celery_dlock.zookeeper.lease import ZkLease
@@ -73,8 +74,14 @@ _serial = itertools.count()
 READ_TIMEOUT_SHARE = 2.0 / 3.0
 
 
+#: kazoo's warnings for a connection attempt that failed (kazoo/protocol/connection.py).
+_CONNECT_FAILURES = ("Connection dropped", "Connection time-out")
+
+
 class _SessionLog(logging.Filter):
-    """Reads the negotiated session timeout from kazoo's "Session created" record.
+    """Reads the negotiated session timeout from kazoo's "Session created" record (and keeps
+    kazoo's last connection error, for :meth:`SharedClient.start`'s error; and hides the
+    password of the digest ``Auth`` request kazoo logs).
 
     kazoo keeps the timeout the servers granted only in a local variable and logs it (at its
     BLATHER level, 5); the servers may grant less than was asked (``maxSessionTimeout``), and
@@ -87,6 +94,14 @@ class _SessionLog(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args: Any = record.args
+        if isinstance(args, tuple) and any(isinstance(arg, Auth) for arg in args):
+            # kazoo logs each request it sends at DEBUG, the digest "user:password" included.
+            record.args = tuple(
+                arg._replace(auth="***") if isinstance(arg, Auth) else arg for arg in args
+            )
+        if isinstance(record.msg, str) and record.msg.startswith(_CONNECT_FAILURES):
+            # Why the last connection attempt failed (a TLS error, say): start() reports it.
+            self._shared.last_error = record.getMessage()
         created = isinstance(record.msg, str) and record.msg.startswith("Session created")
         if created and isinstance(args, tuple) and len(args) >= 3:
             with contextlib.suppress(TypeError, ValueError):
@@ -111,6 +126,8 @@ class SharedClient:
         self.suspended_at: float | None = None
         #: Set while the session is connected.
         self.connected = threading.Event()
+        #: kazoo's last connection error, for the error when the connection never comes up.
+        self.last_error: str | None = None
         self.acl = (
             [make_digest_acl(url.user, url.password, all=True)]
             if url.user is not None and url.password is not None
@@ -135,6 +152,7 @@ class SharedClient:
                 max_tries=-1, delay=0.05, backoff=1.5, max_delay=max(0.1, url.timeout / 8)
             ),
             logger=kazoo_log,
+            **url.kazoo_args(),  # TLS, for zookeepers://
         )
         self.client.add_listener(self._on_state)
         self._started = False
@@ -170,17 +188,30 @@ class SharedClient:
         with self.lock:
             if not self._started:
                 self._closing = False
+                self.last_error = None
                 try:
                     self.client.start(timeout=self.url.timeout)
                 except KAZOO_ERRORS as exc:
                     self.client.stop()
+                    detail = self._failure(exc)
                     raise LockUnavailable(
-                        f"cannot connect to ZooKeeper at {self.url.shown}: {exc or type(exc)}",
-                        errors=[(self.url.shown, str(exc) or type(exc).__name__)],
+                        f"cannot connect to ZooKeeper at {self.url.shown}: {detail}",
+                        errors=[(self.url.shown, detail)],
                     ) from exc
                 self._started = True
                 self.connected.set()
         return self.client
+
+    def _failure(self, exc: BaseException) -> str:
+        """Why the connection did not come up: kazoo's timeout, its last error, the fix."""
+        detail = str(exc) or type(exc).__name__
+        last = self.last_error
+        if last:
+            detail = f"{detail} (last error: {last})"
+            hint = connect_hint(self.url, last)
+            if hint is not None:
+                detail = f"{detail}; {hint}"
+        return detail
 
     def stop(self) -> None:
         """Close the session (its nodes go at once) and the connection."""
@@ -287,7 +318,7 @@ class _Forward(logging.Handler):
 
 _registry_lock = threading.Lock()
 _registry_pid = forks.pid()
-_clients: dict[tuple[str, str | None, str | None, float], SharedClient] = {}
+_clients: dict[ClientKey, SharedClient] = {}
 
 
 def shared(url: ZkUrl) -> SharedClient:
