@@ -298,11 +298,12 @@ def test_a_release_wakes_only_the_next_waiter(url: str) -> None:
         del client._call
     for thread in threads:
         thread.join(10)
-    # Per hand-over: the woken waiter lists once (its listing's pzxid is its fencing token,
-    # and a replacement may have taken a place ahead of it: see celery_dlock.zookeeper.lock)
-    # and later deletes its node; its watches (on its predecessor and its own node) were set
-    # while it queued. A herd would list once per waiter per release: 4 + 3 + 2 + 1.
-    assert seen.count("GetChildren2") == 4
+    # Per hand-over: the woken waiter lists once at most (the holder's direct successor not at
+    # all, unless its wait outlasted a third of the session timeout: its listing showed it
+    # second, so the holder's delete alone admits it) and later deletes its node; its watches
+    # (on its predecessor and its own node) were set while it queued. A herd would list
+    # once per waiter per release: 4 + 3 + 2 + 1.
+    assert 3 <= seen.count("GetChildren2") <= 4
     assert seen.count("Exists") == 0
     assert seen.count("Delete") == 5
 
@@ -367,9 +368,7 @@ def test_fencing_tokens_strictly_increase_across_clients(url: str) -> None:
     for n in range(20):
         with backends[n % 2].acquire("fence", wait=5) as lease:
             tokens.append(lease.token)
-            # holder().fence is the node's czxid; the token, the zxid from which it was
-            # first in line (a waiter's node was created before its predecessor left)
-            assert backends[(n + 1) % 2].holder("fence").fence <= lease.token  # type: ignore[union-attr]
+            assert backends[(n + 1) % 2].holder("fence").fence == lease.token  # type: ignore[union-attr]
     assert tokens == sorted(tokens)
     assert len(set(tokens)) == len(tokens)
 

@@ -16,7 +16,8 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
   connection, which ZooKeeper answers in order, so the listing already shows our node: taking a
   free key is one create and one list in one round trip; a refusal (``wait=0``) adds the read
   of the holder's identity and the delete of our node, again in one round trip; a release
-  admits the next waiter after one listing of its own (see the fencing token).
+  admits the next waiter with no request of its own, or (in a key that had a replacement)
+  one listing (see the fencing token).
 * **Session nodes** (ephemeral) are what :meth:`ZooKeeperBackend.acquire` takes: the lease
   lasts as long as the session, and its validity follows the session (:class:`ZkLease`).
 * **Timed nodes** (persistent) hold a key for a ttl whatever becomes of the process that made
@@ -31,8 +32,8 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
   hdr.getTime(), ...)``; followers forward writes to the leader, so every server stores the
   same stamp). A fresh stamp is the ``ctime`` of the contender's own node created in the same
   round trip as its listing, or the ``mtime`` of a write made for the purpose (an empty
-  ``setData`` on the key's parent). Nobody deletes a timed node early, because nobody reads a
-  local clock to decide: a contender that finds an expired timed node deletes it
+  ``setData`` on the base node above every key). Nobody deletes a timed node early, because
+  nobody reads a local clock to decide: a contender that finds an expired timed node deletes it
   (version-checked) and looks again; a waiter queued behind a timed node reads its remaining
   life (``from + ttl`` minus the fresh stamp), sleeps that long counted from when the stamp's
   reply *arrived* (so it wakes late, not early), then takes a new stamp and checks again. The
@@ -56,9 +57,9 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
   and time, which kazoo's reply to a create in a multi does not), delete it. The
   replacement's name carries ``~o<order>``, the replaced node's order, so it sorts exactly
   where the replaced node was; nobody can be admitted in between, because the replaced node
-  is gone only when the replacement exists. The waiter right behind sees its watch fire and
-  lists the children again, as after any change of its predecessor: it finds the replacement
-  ahead of it and watches that instead.
+  is gone only when the replacement exists. The waiter right behind sees its watch fire as a
+  change, lists the children again, finds the replacement ahead of it and watches that
+  instead. The same transaction sets the key's parent's data (see the fencing token).
 * **Adoption.** A worker's acquisition for task ``T`` (``takeover=T``) that finds the first
   node in line to be ``T``'s queued lock (its name carries ``~q`` and the hash of ``T``, so a
   plain listing shows it) replaces that node and its own new node with one session node in
@@ -70,21 +71,34 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
   strictly increase across the whole ensemble, through leader changes (a new leader starts a
   higher epoch)
   (https://zookeeper.apache.org/doc/current/zookeeperInternals.html#sc_guaranteesPropertiesDefinitions).
-  The token is the zxid from which the node is known to be first in line: the ``pzxid`` (the
-  zxid of the last change to the parent's children) of the listing that shows our node first,
-  or, for an adoption, the transaction's zxid. Strictly increasing per key, replacements or
-  not: the previous holder's token was read before its node was removed (so it is below the
-  zxid of that removal), and our listing shows the node gone (so its pzxid is at least that
-  zxid). The node's own ``czxid`` would not do: a replacement is created later than the
-  waiters queued behind the node it replaces, yet holds before them. So a waiter lists the
-  children again after every change of its predecessor, even a deletion (kazoo's ``Lock``
-  does the same). A free key's token is its node's ``czxid`` unless the key's children
-  changed between our create and our listing. ``Holder.fence`` (``holder()``, ``celery
-  dlock``) shows the holder's node's ``czxid``: at most its lease's token. A queued lock
-  gets its token as any acquisition does (a hand-over's: the transaction's zxid), below the
-  token of the execution that adopts it. A hand-over therefore does not keep the token as
-  Redis does: the retry's queued lock, then its execution, each get a larger one, which keeps
-  the promise. Tokens do not survive wiping the ensemble's data.
+  Which zxid depends on whether the key ever had a *replacement* (every replacement's
+  transaction also sets the key's parent's data, so the parent's data version, which every
+  listing returns, says so):
+
+  - Never: the lock node's ``czxid``. Without replacements line order is creation order, so
+    each holder's node is younger than every earlier holder's. A waiter that was second in
+    its last listing is admitted by its predecessor's deletion alone, without listing again
+    (the replaced node's ``setData`` makes a replacement fire as a change, not a deletion),
+    which saves a round trip on every hand-over between waiters.
+  - Since a replacement: the ``pzxid`` (zxid of the last change to the parent's children) of
+    the listing that shows the node first; for an adoption, its transaction's zxid. The
+    ``czxid`` would no longer do: a replacement is created later than the waiters queued
+    behind the node it replaces, yet holds before them. The previous holder's token was
+    read before its node was removed (so it is below the zxid of that removal, whichever
+    rule gave it), and our listing shows that node gone (so its pzxid is at least that zxid).
+    Such a waiter therefore lists again after its predecessor's deletion too (kazoo's
+    ``Lock`` always does). A replacement only ever replaces the first node in line (a
+    holder's or a queued lock), which is what makes the short cut above safe up to the
+    first replacement: a replacement of the predecessor fires as a change.
+
+  Strictly increasing per key either way. The key's parent forgets (its data version back
+  to 0) only when the servers delete it empty, after every earlier holder is gone.
+  ``Holder.fence`` (``holder()``, ``celery dlock``) shows the holder's node's ``czxid``: its
+  lease's token or, since a replacement, at most that. A queued lock gets its token as any
+  acquisition does (a hand-over's: the transaction's zxid), below the token of the
+  execution that adopts it. A hand-over therefore does not keep the token as Redis does: the
+  retry's queued lock, then its execution, each get a larger one, which keeps the promise.
+  Tokens do not survive wiping the ensemble's data.
 * **Identity.** The node's data is one line of JSON (the random nonce, task id, task name,
   host, pid, start time, queued flag; a timed node's ttl) that ``celery dlock`` reads; the
   nonce also prefixes the node's name, so a create whose reply was lost is found again (the
@@ -234,6 +248,7 @@ class _Entered(NamedTuple):
     received: float  # when the create's reply arrived (its ctime is the leader's "now")
     children: list[str]
     pzxid: int  # the parent's pzxid in that listing: the zxid of its last child change
+    replaced: bool  # the parent's data was ever set: a replacement happened in this key
 
 
 class _Guard:
@@ -697,7 +712,8 @@ class ZooKeeperBackend:
                 )
                 children, listed = session.call(watched)
             pzxid = max(int(stat.czxid), int(listed.pzxid) if listed is not None else 0)
-            return _Entered(path, stat, received, list(children), pzxid)
+            replaced = listed is not None and int(listed.version) > 0
+            return _Entered(path, stat, received, list(children), pzxid, replaced)
         raise LockUnavailable(
             f"cannot lock {attempt.key!r}: its parent node {parent} keeps vanishing",
             key=attempt.key,
@@ -744,10 +760,11 @@ class ZooKeeperBackend:
             return (path, stat) if stat is not None else None
         return None
 
-    def _stamp(self, client: KazooClient, session: SharedClient, parent: str) -> tuple[int, float]:
+    def _stamp(self, client: KazooClient, session: SharedClient) -> tuple[int, float]:
         """A fresh stamp of the leader's clock (ms): the ``mtime`` of an empty ``setData`` on
-        the key's parent (nobody watches its data), and when its reply arrived."""
-        stat = session.call(partial(client.set_async, parent, b""))
+        the base node above every key (nobody watches its data; a key's parent's data
+        version counts replacements, see the module docstring), and when its reply arrived."""
+        stat = session.call(partial(client.set_async, self.base, b""))
         return int(stat.mtime), time.monotonic()
 
     @staticmethod
@@ -791,6 +808,8 @@ class ZooKeeperBackend:
         name = path.rsplit("/", 1)[1]
         children = entered.children
         pzxid = entered.pzxid  # of the last listing
+        replaced = entered.replaced  # ... and whether it showed a replacement ever happened
+        czxid = int(entered.stat.czxid)
         proven = attempt.begun  # the create's send time
         # The freshest stamp of the leader's clock, and when its reply arrived here.
         now_ms, now_at = int(entered.stat.ctime), entered.received
@@ -807,10 +826,10 @@ class ZooKeeperBackend:
                 )
             position = names.index(name)
             if position == 0:
-                # The token: the pzxid of the listing that shows us first (see the module
-                # docstring: it is at least the zxid of our predecessor's removal).
-                ctime = int(entered.stat.ctime)
-                return _Won(path, pzxid, ctime, proven, waited, attempt.guard)
+                # The token (module docstring): our node's czxid while the key never had a
+                # replacement, else the pzxid of the listing that shows us first.
+                token = pzxid if replaced else czxid
+                return _Won(path, token, int(entered.stat.ctime), proven, waited, attempt.guard)
             head = line[0]
             if mine is not None and head.task == mine:
                 adopted = self._adopt(attempt, head, path, waited)
@@ -825,15 +844,19 @@ class ZooKeeperBackend:
                     raise refusal
             else:
                 waited = True
-                now_ms, now_at = self._wait_behind(
-                    attempt, line[position - 1], deadline, now_ms, now_at
+                shortcut = position == 1 and not replaced
+                now_ms, now_at, proven, done = self._wait_behind(
+                    attempt, line[position - 1], shortcut, deadline, now_ms, now_at, proven
                 )
+                if done:
+                    return _Won(path, czxid, int(entered.stat.ctime), proven, True, attempt.guard)
             try:
                 asked = time.monotonic()
                 children, listed = session.call(
                     lambda: client.get_children_async(parent, include_data=True)
                 )
                 pzxid = int(listed.pzxid)
+                replaced = int(listed.version) > 0
                 proven = asked
             except KAZOO_ERRORS as exc:
                 raise self._unavailable(key, "wait for", exc) from exc
@@ -868,28 +891,30 @@ class ZooKeeperBackend:
         self,
         attempt: _Attempt,
         predecessor: NodeName,
+        shortcut: bool,
         deadline: float | None,
         now_ms: int,
         now_at: float,
-    ) -> tuple[int, float]:
+        proven: float,
+    ) -> tuple[int, float, float, bool]:
         """Watch the node just ahead of ours until it changes or goes, ``deadline``, or (a
-        timed node) its expiry; the caller then lists again. Returns the freshest stamp of
-        the leader's clock and when its reply arrived.
-
-        There is no short cut admitting us on the predecessor's deletion without listing
-        again (as a plain lock recipe may): a replacement may have taken a place ahead of
-        us meanwhile, and the listing's pzxid is our fencing token (module docstring)."""
+        timed node) its expiry. Returns the freshest stamp of the leader's clock, when its
+        reply arrived, the proof time, and True when we are certainly first in line now
+        (only with ``shortcut``: see below); else the caller lists again."""
         client, session, guard = attempt.client, attempt.session, attempt.guard
         woken = threading.Event()
+        events: list[WatchedEvent] = []
         pred_path = f"{attempt.parent}/{predecessor.name}"
 
-        def wake(_event: WatchedEvent) -> None:
+        def wake(event: WatchedEvent) -> None:
+            events.append(event)
             woken.set()
 
         try:
             with session.lock:
                 session.waiters.add(woken)
             guard.watch_own(now=True)  # sent with the next request: ready once admitted
+            asked = time.monotonic()
             wake_at: float | None = None
             watching = False
             if predecessor.timed:
@@ -899,7 +924,7 @@ class ZooKeeperBackend:
                     left_ms = expires_ms(raw, stat, self.ttl) - now_ms
                     if left_ms <= 0:
                         self._reap(client, session, pred_path, stat.version)
-                        return now_ms, now_at
+                        return now_ms, now_at, asked, False
                     watching = True
                     # Counted from when the stamp's reply arrived: the expiry comes no
                     # earlier on this clock, so we wake late rather than early.
@@ -907,12 +932,25 @@ class ZooKeeperBackend:
             else:
                 exists = partial(client.exists_async, pred_path, watch=wake)
                 watching = session.call(exists) is not None
+            proven = asked
             if watching:
                 limits = [t for t in (deadline, wake_at) if t is not None]
                 woken.wait(None if not limits else max(0.0, min(limits) - time.monotonic()))
             if wake_at is not None and not woken.is_set() and time.monotonic() >= wake_at:
-                now_ms, now_at = self._stamp(client, session, attempt.parent)
-            return now_ms, now_at
+                now_ms, now_at = self._stamp(client, session)
+                return now_ms, now_at, proven, False
+            deleted = any(e.type == EventType.DELETED for e in events)
+            fresh = time.monotonic() - proven < session.negotiated / 3
+            # The short cut: our listing came after our create, so it showed every node
+            # ahead of ours; only the predecessor was, first in line. It was deleted, not
+            # replaced (a replacement sets its data first: a change, not a deletion), and
+            # only the first node is ever replaced: ours is first now. With no replacement
+            # ever in this key, our czxid is our token (module docstring), so no listing is
+            # needed, saving a round trip on every hand-over between waiters. After a long
+            # wait the listing is sent anyway: its answer is the fresh proof of the session
+            # the lease's validity needs.
+            done = shortcut and deleted and fresh and not guard.deleted
+            return now_ms, now_at, proven, done
         except KAZOO_ERRORS as exc:
             raise self._unavailable(attempt.key, "wait for", exc) from exc
         finally:
@@ -937,6 +975,7 @@ class ZooKeeperBackend:
         transaction.set_data(head_path, b"")
         transaction.delete(head_path)
         transaction.delete(path)
+        transaction.set_data(parent, b"")  # the key has had a replacement (module docstring)
         asked = time.monotonic()
         try:
             results = transaction.commit_async().get(timeout=session.op_timeout)
@@ -1132,6 +1171,7 @@ class ZooKeeperBackend:
         )
         transaction.set_data(lease.path, b"")  # the waiter behind sees a change: it lists again
         transaction.delete(lease.path)
+        transaction.set_data(parent, b"")  # the key has had a replacement (module docstring)
         try:
             results = transaction.commit_async().get(timeout=session.op_timeout)
         except ConnectionLoss:
@@ -1186,7 +1226,6 @@ class ZooKeeperBackend:
         a failed replacement: at once). Returns in how many seconds to look again (not yet
         expired, or no server answered), or None when done."""
         session = self.shared
-        parent = path.rsplit("/", 1)[0]
         try:
             client = session.start()
             found = self._read(client, session, path)
@@ -1196,7 +1235,7 @@ class ZooKeeperBackend:
             if stat.ephemeralOwner:
                 self._reap(client, session, path, stat.version)
                 return None
-            now_ms, _ = self._stamp(client, session, parent)
+            now_ms, _ = self._stamp(client, session)
             left_ms = expires_ms(raw, stat, ttl) - now_ms
             if left_ms <= 0:
                 self._reap(client, session, path, stat.version)
@@ -1265,7 +1304,7 @@ class ZooKeeperBackend:
             head = children[0]
             path = f"{parent}/{head.name}"
             try:
-                stamp = client.set_async(parent, b"") if head.timed else None
+                stamp = client.set_async(self.base, b"") if head.timed else None
                 raw, stat = client.get_async(path).get(timeout=session.op_timeout)
                 now_ms = int(stamp.get(timeout=session.op_timeout).mtime) if stamp else 0
             except NoNodeError:
