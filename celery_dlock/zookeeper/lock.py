@@ -233,7 +233,7 @@ class _Won(NamedTuple):
     """Where an acquisition ended up first in line."""
 
     path: str
-    token: int  # the zxid at or after which the node was seen first in line (see _queue)
+    token: int  # its fencing token (see the module docstring)
     ctime_ms: int
     proven: float  # when the request that proved it (and the session) was sent
     waited: bool
