@@ -42,7 +42,7 @@ def _param_mode(item: pytest.Item) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Drop the modes a module did not ask for (see ``MODES``); skip, on ZooKeeper, the tests
-    marked ``not_zookeeper(reason)`` and those needing queued locks (``queued_locks``) until
+    marked ``redis_only(reason)`` and those needing queued locks (``queued_locks``) until
     the ZooKeeper backend has them (``tests.zookeeper.QUEUED_LOCKS``)."""
     from tests.zookeeper import QUEUED_LOCKS, QUEUED_REASON
 
@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         kept.append(item)
         if mode == "zookeeper":
-            marker = item.get_closest_marker("not_zookeeper")
+            marker = item.get_closest_marker("redis_only")
             if marker is not None:
                 item.add_marker(pytest.mark.skip(reason=f"on ZooKeeper: {marker.args[0]}"))
             elif item.get_closest_marker("queued_locks") is not None and not QUEUED_LOCKS:
@@ -117,6 +117,9 @@ def zookeeper_session_url() -> Iterator[str]:
         pytest.skip(reason)
     with standalone() as server:
         yield f"zookeeper://{server.hosts}{CHROOT}"
+        from celery_dlock.zookeeper import close_all
+
+        close_all()  # before the server goes, or kazoo would keep reconnecting until exit
 
 
 @pytest.fixture

@@ -260,9 +260,7 @@ def test_ignore_and_reject_release_the_key(
     journal.wait_for("start", name=f"{task_name}-1", count=2)
 
 
-def test_max_hold_bounds_a_hung_body(
-    wa: Any, worker: Worker, journal: Journal, mode: Mode
-) -> None:
+def test_max_hold_bounds_a_hung_body(wa: Any, worker: Worker, journal: Journal, mode: Mode) -> None:
     result = wa.bounded.delay("hung", 10.0)
     with pytest.raises(Exception, match="max_hold"):
         result.get(timeout=10)
