@@ -15,6 +15,9 @@ import pytest
 from tests.clients import client
 from tests.workers import Journal, Worker, use_lock_urls
 
+#: Session timeout (seconds) of the zookeeper mode's clients, workers and beats.
+ZK_SESSION = 3
+
 
 @dataclass
 class Mode:
@@ -89,7 +92,9 @@ def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
         return make_mode("single", celery_base)
     if request.param == "zookeeper":
         url = request.getfixturevalue("zookeeper_session_url")
-        return make_mode("zookeeper", celery_base, lock_urls=[url])
+        # A ZooKeeper lock lasts as long as its holder's session: a 3 s session timeout plays
+        # the part of the worker tasks' lock_ttl of 3 s (a dead holder's key frees after it).
+        return make_mode("zookeeper", celery_base, lock_urls=[f"{url}?timeout={ZK_SESSION}"])
     return make_mode("redlock5", celery_base, request.getfixturevalue("redlock_session_urls"))
 
 
