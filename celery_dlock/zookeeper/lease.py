@@ -93,9 +93,13 @@ class ZkLease(Lease):
             )
             self._lost = error
             callbacks, self._callbacks = self._callbacks, []
-        threading.Thread(
+        teller = threading.Thread(
             target=self._tell, args=(error, callbacks), name="dlock-zk-lost", daemon=True
-        ).start()
+        )
+        try:
+            teller.start()
+        except RuntimeError:  # the interpreter is shutting down (atexit's close_all): tell here
+            self._tell(error, callbacks)
         return True
 
     def _tell(self, error: LockLost, callbacks: list[LostCallback]) -> None:
