@@ -351,13 +351,19 @@ class LeaderScheduler(PersistentScheduler):
         if leader is None or leader == self._following:
             return
         self._following = leader
+        # A store with no ttl (ZooKeeper: the lease lasts with the leader's session) names no
+        # end; this beat then asks again every follower_poll seconds.
+        ends = (
+            f"the lease ends within {refused.retry_after:.1f} s unless renewed"
+            if refused.retry_after is not None
+            else "the lease lasts while the leader's session does"
+        )
         log.info(
-            "beat: %s follows; %s holds %r (the lease ends within %.1f s unless renewed); "
-            "it sends nothing until it leads",
+            "beat: %s follows; %s holds %r (%s); it sends nothing until it leads",
             self._identity,
             leader,
             key,
-            refused.retry_after if refused.retry_after is not None else float("nan"),
+            ends,
         )
 
     def tick(self, *args: Any, **kwargs: Any) -> float:

@@ -1,7 +1,7 @@
 """``celery -A proj dlock ...``: see, and fix, the locks a Celery app holds.
 
 Registered as a Celery sub-command through the ``celery.commands`` entry point, so it reads
-the app's ``dlock_*`` settings (single Redis or Redlock) like the workers do::
+the app's ``dlock_*`` settings (single Redis, Redlock or ZooKeeper) like the workers do::
 
     celery -A proj dlock list [--prefix meta:] [--json]
     celery -A proj dlock show KEY [--json]
@@ -69,8 +69,21 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
         ctx.obj.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
 
 
+def _on_zookeeper(backend: Backend) -> bool:
+    """Whether ``backend`` is a ZooKeeper ensemble: its locks have no ttl (they last as long
+    as the holder's session) and no per-key fencing counter (the token is a zxid)."""
+    return any(url.startswith("zookeeper://") for url in backend.endpoints())
+
+
+#: What a held lock's missing ``ttl_left`` means on ZooKeeper.
+NO_TTL = "no expiry: held for as long as its holder's ZooKeeper session lives"
+
+
 def _where(backend: Backend) -> str:
     urls = backend.endpoints()
+    if _on_zookeeper(backend):
+        servers = "server" if len(urls) == 1 else f"ensemble of {len(urls)} servers"
+        return f"ZooKeeper {servers}: {', '.join(urls)}"
     return urls[0] if len(urls) == 1 else f"Redlock over {len(urls)} nodes: {', '.join(urls)}"
 
 
@@ -78,7 +91,8 @@ def _where(backend: Backend) -> str:
 @click.pass_context
 @handle_preload_options
 def dlock(ctx: click.Context) -> None:
-    """See and fix celery_dlock locks (single Redis or Redlock, from the app's settings)."""
+    """See and fix celery_dlock locks (single Redis, Redlock or ZooKeeper, from the app's
+    settings)."""
 
 
 @dlock.command(name="list", cls=CeleryCommand)
@@ -94,8 +108,11 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
         for row in rows:
             ctx.obj.echo(json.dumps(row))
         return
-    ctx.obj.echo(f"locks on {_where(backend_for(_app(ctx)))}:")
+    backend = backend_for(_app(ctx))
+    ctx.obj.echo(f"locks on {_where(backend)}:")
     _print_table(ctx, rows)
+    if rows and _on_zookeeper(backend):
+        ctx.obj.echo(f"ttl_left -: {NO_TTL}")
 
 
 @dlock.command(name="show", cls=CeleryCommand)
@@ -110,14 +127,19 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     if as_json:
         ctx.obj.echo(json.dumps(row))
         return
+    zookeeper = _on_zookeeper(backend_for(_app(ctx)))
     if info.holder is None:
-        if info.fence is None:
+        if zookeeper:  # tokens are zxids, shared by every key: none is kept per key
+            ctx.obj.echo(f"{key!r} is not held")
+        elif info.fence is None:
             ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")
         else:
             ctx.obj.echo(f"{key!r} is not held; the last fencing token issued was {info.fence}")
         return
     for name, value in row.items():
-        if name != "held":
+        if name == "ttl_left" and value is None and zookeeper:
+            ctx.obj.echo(f"{name:9} - ({NO_TTL})")
+        elif name != "held":
             ctx.obj.echo(f"{name:9} {'-' if value is None else value}")
 
 
@@ -146,6 +168,8 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
     released = admin.release(_app(ctx), key, holder=info.holder)
     if as_json:
         ctx.obj.echo(json.dumps({"key": key, "released": released, "held": True}))
+    elif released and _on_zookeeper(backend_for(_app(ctx))):
+        ctx.obj.echo(f"released {key!r}; its holder is told at once (it watches its lock node)")
     elif released:
         ctx.obj.echo(f"released {key!r}; its holder is told at its next renewal")
     else:

@@ -5,7 +5,8 @@ Every ``dlock_*`` setting is optional except where no Redis URL can be found at 
 ================================  ===========  ==============================================
 setting                           default      meaning
 ================================  ===========  ==============================================
-``dlock_urls``                    broker URL   one URL = single Redis; three or more = Redlock
+``dlock_urls``                    broker URL   one URL = single Redis; three or more = Redlock;
+                                               one ``zookeeper://h1,h2,h3/chroot`` = ZooKeeper
 ``dlock_ttl``                     30           lease length in seconds, renewed while held
 ``dlock_prefix``                  ``"dlock"``  prefix of every Redis key the library writes
 ``dlock_node_timeout``            0.5          seconds one Redis node may take to answer
@@ -84,12 +85,18 @@ BACKENDS: dict[str, str] = {
     "redis": "celery_dlock.redis",
     "rediss": "celery_dlock.redis",
     "unix": "celery_dlock.redis",
+    "zookeeper": "celery_dlock.zookeeper",
+    "zookeepers": "celery_dlock.zookeeper",  # TLS
 }
 DEFAULT_BACKEND = "celery_dlock.redis"
+#: The pip extra that brings a backend's client library (``pip install celery-dlock[...]``).
+EXTRAS: dict[str, str] = {"celery_dlock.zookeeper": "zookeeper"}
 
 
 def backend_module(urls: Sequence[Any], setting: str = "dlock_urls") -> Any:
     """The backend module that serves ``urls`` (all of them: one list, one kind of store)."""
+    for url in urls:
+        _check_scheme(url, setting)
     names = {BACKENDS.get(_scheme(url), DEFAULT_BACKEND) for url in urls}
     if len(names) > 1:
         shown = ", ".join(repr(redact(url)) for url in urls if isinstance(url, str))
@@ -97,7 +104,35 @@ def backend_module(urls: Sequence[Any], setting: str = "dlock_urls") -> Any:
             f"{setting} mixes kinds of lock store ({shown}): every URL of one list must name "
             "the same kind; keep the URLs of one of them."
         )
-    return importlib.import_module(names.pop() if names else DEFAULT_BACKEND)
+    name = names.pop() if names else DEFAULT_BACKEND
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]  # the distribution's top-level package
+        if not missing or missing == name or name.startswith(f"{missing}."):
+            raise  # this library itself is broken, not a dependency missing
+        shown = ", ".join(repr(redact(url)) for url in urls if isinstance(url, str))
+        extra = EXTRAS.get(name)
+        fix = f"pip install 'celery-dlock[{extra}]'" if extra else f"pip install {missing}"
+        raise ConfigError(
+            f"{setting} ({shown}) needs the Python package {missing!r}, which is not "
+            f"installed; install it: {fix}."
+        ) from exc
+
+
+def _check_scheme(url: Any, setting: str) -> None:
+    """Refuse a misspelt scheme of a backend other than Redis (whose own check names every
+    Redis scheme), e.g. ``zookeper://``, naming the one meant."""
+    scheme = _scheme(url)
+    if not scheme or scheme in BACKENDS:
+        return
+    others = [s for s, module in BACKENDS.items() if module != DEFAULT_BACKEND]
+    close = difflib.get_close_matches(scheme, others, n=1, cutoff=0.75)
+    if close:
+        raise ConfigError(
+            f"{setting}: {redact(url)!r} has scheme {scheme!r}; did you mean {close[0]!r}? "
+            f"Write it as '{close[0]}://...'."
+        )
 
 
 def _scheme(url: Any) -> str:

@@ -19,6 +19,19 @@ if ! command -v faketime >/dev/null 2>&1; then
         echo "== no faketime and not root: the beat clock-skew tests will skip"
     fi
 fi
+# ZooKeeper (Debian's zookeeper package, OpenJDK) for the ZooKeeper backend's tests; its
+# jar is what tests/zookeeper.py starts. Installed here, once, not by the two pytest processes.
+if [ ! -e /usr/share/java/zookeeper.jar ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "== installing zookeeper (Debian package) for the ZooKeeper backend's tests"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q zookeeper >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q zookeeper >/dev/null 2>&1; } \
+            || echo "   could not install zookeeper: the ZooKeeper tests will skip"
+    else
+        echo "== no ZooKeeper (/usr/share/java/zookeeper.jar) and not root: the ZooKeeper tests will skip"
+    fi
+fi
 # Two processes by default: whole files go to one process each, so a module's workers and
 # servers stay with its tests. DLOCK_TEST_PROCESSES changes it (0: all in this process); with
 # servers of your own (DLOCK_TEST_REDIS_URLS) it is 0, as the two would flush each other's keys.

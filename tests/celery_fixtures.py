@@ -15,12 +15,42 @@ import pytest
 from tests.clients import client
 from tests.workers import Journal, Worker, use_lock_urls
 
+#: Session timeout (seconds) of the zookeeper mode's clients, workers and beats.
+ZK_SESSION = 3
+
 
 @dataclass
 class Mode:
     name: str
     lock_urls: list[str]
     env: dict[str, str]
+
+    @property
+    def zookeeper(self) -> bool:
+        return self.name == "zookeeper"
+
+    def clear_locks(self) -> None:
+        """Empty the lock store (FLUSHDB on each Redis; the chroot on ZooKeeper)."""
+        if self.zookeeper:
+            from celery_dlock.zookeeper import parse
+            from tests.zookeeper import wipe
+
+            url = parse(self.lock_urls[0])
+            wipe(url.connect_string, url.chroot)
+            return
+        for url in self.lock_urls:
+            client(url).flushdb()
+
+    def delete_lock(self, key: str) -> None:
+        """Delete ``key``'s lock behind its holder's back (a DEL of the Redis key on every
+        node; on ZooKeeper a delete of the holder's node by a client of our own)."""
+        if self.zookeeper:
+            from tests.zookeeper import delete_holder
+
+            assert delete_holder(self.lock_urls[0], key), f"nobody held {key!r}"
+            return
+        for url in self.lock_urls:
+            client(url).delete(f"dlock:{{{key}}}")
 
 
 def with_db(url: str, db: int) -> str:
@@ -34,9 +64,17 @@ def celery_base(single_session_urls: list[str]) -> str:
     return single_session_urls[0]
 
 
-def make_mode(name: str, celery_base: str, redlock_urls: list[str] | None = None) -> Mode:
-    """Mode ``name``: locks on db 12 of ``celery_base`` ("single"), or on ``redlock_urls``."""
-    lock_urls = [with_db(celery_base, 12)] if redlock_urls is None else redlock_urls
+def make_mode(
+    name: str,
+    celery_base: str,
+    redlock_urls: list[str] | None = None,
+    *,
+    lock_urls: list[str] | None = None,
+) -> Mode:
+    """Mode ``name``: locks on db 12 of ``celery_base`` ("single"), on ``redlock_urls``, or
+    on ``lock_urls`` (ZooKeeper: one standalone server's URL, so without commas)."""
+    if lock_urls is None:
+        lock_urls = [with_db(celery_base, 12)] if redlock_urls is None else redlock_urls
     env = {
         "DLOCK_TEST_BROKER": with_db(celery_base, 10),
         "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
@@ -46,10 +84,17 @@ def make_mode(name: str, celery_base: str, redlock_urls: list[str] | None = None
     return Mode(name, lock_urls, env)
 
 
-@pytest.fixture(scope="module", params=["single", "redlock5"])
+@pytest.fixture(scope="module", params=["single", "redlock5", "zookeeper"])
 def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
+    """The lock store of a module's workers; "zookeeper" only in modules whose ``MODES``
+    lists it (tests/conftest.py drops it elsewhere)."""
     if request.param == "single":
         return make_mode("single", celery_base)
+    if request.param == "zookeeper":
+        url = request.getfixturevalue("zookeeper_session_url")
+        # A ZooKeeper lock lasts as long as its holder's session: a 3 s session timeout plays
+        # the part of the worker tasks' lock_ttl of 3 s (a dead holder's key frees after it).
+        return make_mode("zookeeper", celery_base, lock_urls=[f"{url}?timeout={ZK_SESSION}"])
     return make_mode("redlock5", celery_base, request.getfixturevalue("redlock_session_urls"))
 
 
@@ -69,8 +114,7 @@ def wa(mode: Mode) -> Any:
 def journal(mode: Mode) -> Journal:
     journal = Journal(mode.env["DLOCK_TEST_JOURNAL"])
     journal.clear()
-    for url in mode.lock_urls:
-        client(url).flushdb()
+    mode.clear_locks()
     return journal
 
 

@@ -22,13 +22,50 @@ pytest_plugins = ("tests.celery_fixtures", "tests.compat_fixtures")
 EXTERNAL = [u for u in os.environ.get("DLOCK_TEST_REDIS_URLS", "").split(",") if u.strip()]
 
 
+#: The lock stores the ``urls`` and ``mode`` fixtures run a test on, unless its module lists
+#: its own in a module-level ``MODES`` (adding "zookeeper" opts a module in: its tests then run
+#: on a ZooKeeper server too, which costs time, so only where the behaviour is the backend's).
+EXTERNAL_REASON = "DLOCK_TEST_REDIS_URLS is set: cannot stop or restart those"
+DEFAULT_MODES = ("single", "redlock5")
+ALL_MODES = ("single", "redlock5", "zookeeper")
+
+
+def _param_mode(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    for name in ("mode", "urls"):
+        if name in callspec.params and callspec.params[name] in ALL_MODES:
+            return str(callspec.params[name])
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not EXTERNAL:
-        return
-    skip = pytest.mark.skip(reason="DLOCK_TEST_REDIS_URLS is set: cannot stop or restart those")
+    """Drop the modes a module did not ask for (see ``MODES``); skip, on ZooKeeper, the tests
+    marked ``redis_only(reason)`` and those needing queued locks (``queued_locks``) until
+    the ZooKeeper backend has them (``tests.zookeeper.QUEUED_LOCKS``)."""
+    from tests.zookeeper import QUEUED_LOCKS, QUEUED_REASON
+
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
     for item in items:
-        if "local_redis" in item.keywords:
-            item.add_marker(skip)
+        mode = _param_mode(item)
+        wanted = getattr(getattr(item, "module", None), "MODES", DEFAULT_MODES)
+        if mode is not None and mode not in wanted:
+            dropped.append(item)
+            continue
+        kept.append(item)
+        if mode == "zookeeper":
+            marker = item.get_closest_marker("redis_only")
+            if marker is not None:
+                item.add_marker(pytest.mark.skip(reason=f"on ZooKeeper: {marker.args[0]}"))
+            elif item.get_closest_marker("queued_locks") is not None and not QUEUED_LOCKS:
+                item.add_marker(pytest.mark.skip(reason=QUEUED_REASON))
+        if EXTERNAL and "local_redis" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=EXTERNAL_REASON))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def _flush(urls: list[str]) -> None:
@@ -70,11 +107,38 @@ def redlock_urls(redlock_session_urls: list[str]) -> list[str]:
     return redlock_session_urls
 
 
-@pytest.fixture(params=["single", "redlock5"])
+@pytest.fixture(scope="session")
+def zookeeper_session_url() -> Iterator[str]:
+    """A standalone ZooKeeper server of this test process (skips, saying why, without one)."""
+    from tests.zookeeper import CHROOT, skip_reason, standalone
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with standalone() as server:
+        yield f"zookeeper://{server.hosts}{CHROOT}"
+        from celery_dlock.zookeeper import close_all
+
+        close_all()  # before the server goes, or kazoo would keep reconnecting until exit
+
+
+@pytest.fixture
+def zookeeper_urls(zookeeper_session_url: str) -> list[str]:
+    """The ZooKeeper lock store, emptied before the test."""
+    from celery_dlock.zookeeper import parse
+    from tests.zookeeper import wipe
+
+    url = parse(zookeeper_session_url)
+    wipe(url.connect_string, url.chroot)
+    return [zookeeper_session_url]
+
+
+@pytest.fixture(params=ALL_MODES)
 def urls(request: pytest.FixtureRequest) -> list[str]:
-    """Run the test once on a single Redis and once on Redlock over five masters."""
-    name = "single_urls" if request.param == "single" else "redlock_urls"
-    result: list[str] = request.getfixturevalue(name)
+    """Run the test once on a single Redis and once on Redlock over five masters (and once on
+    ZooKeeper where the module's ``MODES`` lists it)."""
+    names = {"single": "single_urls", "redlock5": "redlock_urls", "zookeeper": "zookeeper_urls"}
+    result: list[str] = request.getfixturevalue(names[request.param])
     return result
 
 

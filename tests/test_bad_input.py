@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -100,12 +102,47 @@ def test_key_must_be_non_empty_and_bounded() -> None:
             "two URLs: a Redlock quorum is 2 of 2, so losing either node stops every lock; "
             "it survives no failure",
         ),
+        (
+            ["zookeeper://127.0.0.1:1/x", "redis://h:6379"],
+            "dlock_urls mixes kinds of lock store ('zookeeper://127.0.0.1:1/x', "
+            "'redis://h:6379'): every URL of one list must name the same kind",
+        ),
+        (
+            ["zookeeper://a:1/x", "zookeeper://b:1/x"],
+            "dlock_urls has 2 ZooKeeper URLs ('zookeeper://a:1/x', 'zookeeper://b:1/x'): one URL "
+            "names a whole ensemble; list its servers in that one URL",
+        ),
+        (["zookeper://a:1/x"], "has scheme 'zookeper'; did you mean 'zookeeper'?"),
+        (["zookeeper://u:pw@a:0/x"], "'zookeeper://u:***@a:0/x': port 0 of 'a:0' is out of range"),
     ],
 )
 def test_bad_urls(urls: Any, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         lock(urls, "k")
     assert message in str(info.value)
+
+
+def test_a_zookeeper_url_without_kazoo_names_the_setting_and_the_extra() -> None:
+    """Without kazoo, a zookeeper:// URL is refused when the settings are read, naming the
+    setting, the URL and the pip extra (run in a child where kazoo cannot be imported)."""
+    code = (
+        "import sys; sys.modules['kazoo'] = None\n"  # import kazoo -> ModuleNotFoundError
+        "from celery import Celery\n"
+        "from celery_dlock import ConfigError, lock\n"
+        "app = Celery('a')\n"
+        "app.conf.dlock_urls = ['zookeeper://u:pw@127.0.0.1:1/x']\n"
+        "try:\n"
+        "    lock(app, 'k')\n"
+        "except ConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.stdout.strip() == (
+        "dlock_urls ('zookeeper://u:***@127.0.0.1:1/x') needs the Python package 'kazoo', "
+        "which is not installed; install it: pip install 'celery-dlock[zookeeper]'."
+    ), done.stderr
 
 
 def test_passwords_never_appear_in_errors() -> None:

@@ -1,4 +1,5 @@
-"""``celery -A proj dlock ...`` run as a real subprocess against real Redis (single, Redlock-5).
+"""``celery -A proj dlock ...`` run as a real subprocess against real Redis (single, Redlock-5)
+and a real ZooKeeper server.
 
 Leases are taken in this process; the command, a separate process reading the same app's
 settings, lists, shows, releases and purges them. A released holder notices at its next
@@ -23,6 +24,12 @@ from celery_dlock.testing import RedisServer
 from tests import cli_app
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The ``urls`` fixture's stores this module runs on (tests/conftest.py).
+MODES = ["single", "redlock5", "zookeeper"]
+
+
+def on_zookeeper(urls: list[str]) -> bool:
+    return urls[0].startswith("zookeeper://")
 
 
 def dlock(urls: list[str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -45,8 +52,9 @@ def manager(urls: list[str]) -> Any:
 
 def test_list_and_show_what_is_held(urls: list[str], manager: LockManager) -> None:
     task = cli_app.replicate
-    first = manager.acquire("meta:crm:acme", ttl=5, holder="task-1", sender=task, renew=False)
-    second = manager.acquire("beat-leader:proj", ttl=5, holder=None, renew=False)
+    # Not renewed: the ttl outlasts the seven commands (a second or two each on a busy host).
+    first = manager.acquire("meta:crm:acme", ttl=30, holder="task-1", sender=task, renew=False)
+    second = manager.acquire("beat-leader:proj", ttl=30, holder=None, renew=False)
     try:
         listed = dlock(urls, "list", "--json")
         assert listed.returncode == 0, listed.stderr
@@ -57,7 +65,10 @@ def test_list_and_show_what_is_held(urls: list[str], manager: LockManager) -> No
         assert row["task_id"] == "task-1"
         assert row["pid"] == os.getpid()
         assert row["fence"] == first.token
-        assert 0 < row["ttl_left"] <= 5
+        if on_zookeeper(urls):
+            assert row["ttl_left"] is None  # no ttl: held while the holder's session lives
+        else:
+            assert 0 < row["ttl_left"] <= 30
         assert 0 <= row["age"] < 30
         assert rows["beat-leader:proj"]["fence"] == second.token
 
@@ -65,12 +76,30 @@ def test_list_and_show_what_is_held(urls: list[str], manager: LockManager) -> No
         assert only.returncode == 0, only.stderr
         assert "meta:crm:acme" in only.stdout
         assert "beat-leader" not in only.stdout
+        assert "None" not in only.stdout
 
         shown = json.loads(dlock(urls, "show", "meta:crm:acme", "--json").stdout)
         assert shown["held"] is True
         assert shown["task_id"] == "task-1"
         missing = json.loads(dlock(urls, "show", "meta:nobody", "--json").stdout)
         assert missing["held"] is False
+
+        text = dlock(urls, "show", "meta:crm:acme")
+        assert text.returncode == 0, text.stderr
+        assert "task_id   task-1" in text.stdout
+        assert f"fence     {first.token}" in text.stdout
+        assert "None" not in text.stdout
+        free = dlock(urls, "show", "meta:nobody")
+        assert free.returncode == 0, free.stderr
+        assert free.stdout.startswith("'meta:nobody' is not held")
+        if on_zookeeper(urls):
+            # The table and the record say what a missing ttl means, and where the locks are.
+            assert "ZooKeeper server: zookeeper://127.0.0.1:" in only.stdout
+            assert "ttl_left -: no expiry: held for as long as its holder's ZooKeeper session" in (
+                only.stdout
+            )
+            assert "ttl_left  - (no expiry: held for as long as its holder's" in text.stdout
+            assert free.stdout.strip() == "'meta:nobody' is not held"
     finally:
         first.release()
         second.release()
@@ -100,8 +129,9 @@ def test_release_tells_the_holder_and_moves_the_fence_on(
         # Its renewal did not bring the key back, and the next holder's token is newer.
         assert manager.holder("replication") is None
         info = manager.inspect("replication")
-        assert info.fence is not None
-        assert info.fence > lease.token
+        if not on_zookeeper(urls):  # ZooKeeper keeps no per-key counter: tokens are zxids
+            assert info.fence is not None
+            assert info.fence > lease.token
         after = manager.acquire("replication", ttl=2, renew=False)
         assert after.token > lease.token
         after.release()
@@ -110,8 +140,9 @@ def test_release_tells_the_holder_and_moves_the_fence_on(
 
 
 def test_purge_releases_a_prefix_and_nothing_else(urls: list[str], manager: LockManager) -> None:
-    leases = [manager.acquire(f"meta:crm:{n}", ttl=5, renew=False) for n in ("a", "b", "c")]
-    other = manager.acquire("meta-other", ttl=5, renew=False)
+    # Not renewed: the ttl outlasts two commands on a busy host (5 s did not, at load 11).
+    leases = [manager.acquire(f"meta:crm:{n}", ttl=30, renew=False) for n in ("a", "b", "c")]
+    other = manager.acquire("meta-other", ttl=30, renew=False)
     try:
         empty = dlock(urls, "purge", "", "--yes")
         assert empty.returncode != 0

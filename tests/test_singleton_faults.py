@@ -13,10 +13,12 @@ import pytest
 
 from celery_dlock.testing import RedisServer
 from tests.celery_fixtures import Mode, submit_concurrently
-from tests.clients import client
 from tests.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
+#: The lock stores this module's workers run on (tests/conftest.py); on ZooKeeper the session
+#: timeout (3 s, tests/celery_fixtures.py) plays the tasks' lock_ttl of 3 s.
+MODES = ["single", "redlock5", "zookeeper"]
 
 
 @pytest.fixture
@@ -43,7 +45,8 @@ def test_sigkill_of_the_worker_frees_the_key_after_the_ttl(
     journal.wait_for("start", name="killed")
     victim.kill()
     killed_at = time.monotonic()
-    # The main worker's waiter gets the key once the dead holder's lease expires (ttl 3 s).
+    # The main worker's waiter gets the key once the dead holder's lease expires (ttl 3 s;
+    # on ZooKeeper once its session does, 3 s too).
     assert wa.wait_task.delay("killed", 1).get(timeout=20) == 1
     second = journal.select("start", name="killed")[1]
     assert 0.5 < second["t"] - killed_at < 3.0 + 1.0
@@ -87,6 +90,7 @@ def test_a_task_whose_pool_process_died_runs_again_once_its_lease_expires(
     assert len(journal.select("end", name="lostchild")) == 1
 
 
+@pytest.mark.redis_only("points a worker at a Redis URL nothing listens on")
 def test_a_worker_that_cannot_reach_its_lock_nodes_says_so_once_at_start(
     wa: Any, worker: Worker, spawn: Any, mode: Mode
 ) -> None:
@@ -106,6 +110,7 @@ def test_a_worker_that_cannot_reach_its_lock_nodes_says_so_once_at_start(
     assert "hunter2" not in blind.log()
 
 
+@pytest.mark.redis_only("stops and restarts a Redis server of its own")
 def test_redis_unreachable_at_start_requeues_and_runs_once_it_is_back(
     wa: Any, journal: Journal, spawn: Any, mode: Mode
 ) -> None:
@@ -156,13 +161,13 @@ def test_other_pools(wa: Any, journal: Journal, spawn: Any, mode: Mode, pool: st
     # a lost lease stops the body
     lossy = wa.lossy.apply_async((f"{pool}-lossy", 10.0), queue=queue)
     start = journal.wait_for("start", name=f"{pool}-lossy")[0]
-    for url in mode.lock_urls:
-        client(url).delete(f"dlock:{{{start['key']}}}")
+    mode.delete_lock(start["key"])
     with pytest.raises(Exception, match="was lost"):
         lossy.get(timeout=10)
     assert journal.select("end", name=f"{pool}-lossy") == []
     (seen,) = journal.select("interrupted", name=f"{pool}-lossy")
     assert (seen["error_key"], seen["error_token"]) == (start["key"], start["token"])
-    assert "gone" in seen["error_reason"]
+    gone = "node was deleted by another client" if mode.zookeeper else "gone"
+    assert gone in seen["error_reason"]
     spans = intervals(journal.entries())
     assert overlaps([s for s in spans if s[2] == holder.id]) == []

@@ -3,9 +3,9 @@
 The server is Debian's ``zookeeper`` package (its jar and dependencies under
 ``/usr/share/java``), run by hand with our own config file and data directory: ``java -cp
 /usr/share/java/zookeeper.jar org.apache.zookeeper.server.quorum.QuorumPeerMain <cfg>``
-(https://zookeeper.apache.org/doc/current/zookeeperStarted.html). When the package is missing,
-:func:`skip_reason` installs it with apt-get if this process is root, otherwise it returns one
-line saying why the tests cannot run.
+(https://zookeeper.apache.org/doc/current/zookeeperStarted.html). scripts/test.sh installs
+the package when it is missing and it can (root, apt-get); otherwise :func:`skip_reason`
+returns the one line the tests skip with.
 
 Every server listens on 127.0.0.1 on free ports (client, quorum and election ports) and is
 stopped by its PID. Start-up is kept short: tickTime 200 ms, a small serial-GC heap, no admin
@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,17 +30,28 @@ from pathlib import Path
 from tests.proxy import FaultProxy
 
 __all__ = [
+    "CHROOT",
+    "QUEUED_LOCKS",
+    "QUEUED_REASON",
     "TICK_MS",
     "Ensemble",
     "FaultProxy",
     "ZkServer",
+    "delete_holder",
     "ensemble",
     "four_letter",
     "skip_reason",
     "standalone",
+    "wipe",
 ]
 
 JAR = Path("/usr/share/java/zookeeper.jar")
+#: Queued locks (``lock_on="enqueue"``, a retry handing its key over) on ZooKeeper are being
+#: built; until this is True the behaviour tests that need them skip on ZooKeeper.
+QUEUED_LOCKS = False
+QUEUED_REASON = "queued locks on ZooKeeper not yet built"
+#: Where the behaviour tests' locks live on the shared test server (wiped before each test).
+CHROOT = "/celery-dlock-test"
 MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 #: tickTime of every test server, in ms: sessions may last 2 to 300 ticks (0.4 s to 60 s).
 TICK_MS = 200
@@ -58,42 +68,23 @@ JAVA_OPTS = [
     "-Dznode.container.checkIntervalMs=500",
 ]
 
-_install_lock = threading.Lock()
-_install_tried: str | None = None
-
 
 def skip_reason() -> str | None:
     """None when a ZooKeeper server can be started here, else one line saying why not.
 
-    Installs Debian's ``zookeeper`` package when the jar is missing and this process is root.
+    Never installs anything: scripts/test.sh installs the package before pytest starts (two
+    xdist processes running apt-get at once would fight over dpkg's lock).
     """
-    global _install_tried
-    with _install_lock:
-        if not JAR.exists():
-            if _install_tried is not None:
-                return _install_tried
-            if shutil.which("apt-get") is None:
-                _install_tried = f"ZooKeeper server not found ({JAR}) and no apt-get to install it"
-            elif os.geteuid() != 0:
-                _install_tried = (
-                    f"ZooKeeper server not found ({JAR}); install it: apt-get install zookeeper"
-                )
-            else:
-                done = subprocess.run(
-                    ["apt-get", "install", "-y", "-q", "zookeeper"],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                    env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-                )
-                if done.returncode != 0 or not JAR.exists():
-                    last = (done.stderr.strip().splitlines() or ["?"])[-1]
-                    _install_tried = f"apt-get install zookeeper failed: {last}"
-        if not JAR.exists():
-            return _install_tried or f"ZooKeeper server not found ({JAR})"
-        if shutil.which("java") is None:
-            return "ZooKeeper is installed but no java is on PATH"
-        return None
+    if not JAR.exists():
+        how = (
+            "run scripts/test.sh as root, or apt-get install zookeeper"
+            if shutil.which("apt-get")
+            else "install Apache ZooKeeper's Debian package (zookeeper)"
+        )
+        return f"ZooKeeper tests skipped: no ZooKeeper server here ({JAR} missing); {how}"
+    if shutil.which("java") is None:
+        return "ZooKeeper tests skipped: ZooKeeper is installed but no java is on PATH"
+    return None
 
 
 def _die_with_parent() -> None:
@@ -276,6 +267,52 @@ class Ensemble:
     def stop(self) -> None:
         for server in self.servers:
             server.stop(kill=True)
+
+
+def wipe(hosts: str, path: str = CHROOT) -> None:
+    """Delete ``path`` and every node under it: an empty lock store for the next test (as
+    ``FLUSHDB`` gives the Redis modes)."""
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import NoNodeError
+
+    client = KazooClient(hosts=hosts, timeout=5.0)
+    client.start(timeout=START_TIMEOUT)
+    try:
+        with contextlib.suppress(NoNodeError):
+            client.delete(path, recursive=True)
+    finally:
+        client.stop()
+        client.close()
+
+
+def delete_holder(url: str, key: str) -> bool:
+    """Delete the node that holds ``key`` under the lock store ``url``, as a client of our own
+    (an operator, or a bug, deleting the lock behind the holder's back); True if one did."""
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import NoNodeError
+
+    from celery_dlock.zookeeper import ZooKeeperBackend
+
+    backend = ZooKeeperBackend(url)
+    client = KazooClient(hosts=backend.url.connect_string, timeout=5.0)
+    client.start(timeout=START_TIMEOUT)
+    try:
+        parent = backend.parent(key)
+        try:
+            children = client.get_children(parent)
+        except NoNodeError:
+            return False
+        if not children:
+            return False
+        lowest = min(children, key=lambda name: int(name[-10:]))
+        try:
+            client.delete(f"{parent}/{lowest}")
+        except NoNodeError:
+            return False
+        return True
+    finally:
+        client.stop()
+        client.close()
 
 
 @contextlib.contextmanager

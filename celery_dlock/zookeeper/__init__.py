@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from celery_dlock import config
-from celery_dlock.config import Settings
+from celery_dlock.config import Settings, redact
 from celery_dlock.errors import ConfigError
 from celery_dlock.zookeeper.lease import ZkLease
 from celery_dlock.zookeeper.lock import ZooKeeperBackend
 from celery_dlock.zookeeper.session import close_all
-from celery_dlock.zookeeper.url import SCHEMES, ZkUrl, is_zookeeper, parse
+from celery_dlock.zookeeper.url import ZkUrl, is_zookeeper, parse
 
 __all__ = [
     "ZkLease",
@@ -36,9 +35,11 @@ def check_urls(urls: Sequence[str], setting: str = "dlock_urls") -> tuple[str, .
     """What :mod:`celery_dlock.config` asks of a backend module: the URLs, checked. One
     ``zookeeper://`` URL names a whole ensemble (every server in its host list)."""
     if len(urls) != 1:
+        shown = ", ".join(repr(redact(url)) for url in urls)
         raise ConfigError(
-            f"{setting} has {len(urls)} ZooKeeper URLs: one URL names a whole ensemble; list "
-            "its servers in that URL, e.g. 'zookeeper://h1:2181,h2:2181,h3:2181/celery-dlock'."
+            f"{setting} has {len(urls)} ZooKeeper URLs ({shown}): one URL names a whole "
+            "ensemble; list its servers in that one URL, e.g. "
+            "'zookeeper://h1:2181,h2:2181,h3:2181/celery-dlock'."
         )
     parse(urls[0], setting)
     return tuple(urls)
@@ -47,10 +48,3 @@ def check_urls(urls: Sequence[str], setting: str = "dlock_urls") -> tuple[str, .
 def make_backend(settings: Settings) -> ZooKeeperBackend:
     """The ZooKeeper backend for settings whose URL :func:`check_urls` accepted."""
     return ZooKeeperBackend(settings)
-
-
-# config.BACKENDS maps a URL scheme to the module serving it; this line belongs there (a
-# one-line change of config.py: 'zookeeper' and 'zookeepers', TLS). Until then, importing this
-# package registers them.
-for _scheme in SCHEMES:
-    config.BACKENDS.setdefault(_scheme, __name__)

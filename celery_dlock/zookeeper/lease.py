@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from typing import Any
 
 from celery_dlock import forks
-from celery_dlock.lease import Lease, LeaseBackend
+from celery_dlock.errors import LockLost
+from celery_dlock.lease import Lease, LeaseBackend, LostCallback
 from celery_dlock.renewal import watchdog
+from celery_dlock.signals import lock_lost
+
+log = logging.getLogger("celery_dlock.renew")
 
 
 class ZkLease(Lease):
@@ -35,6 +41,7 @@ class ZkLease(Lease):
         self.bound = math.inf if self.max_hold is None else self.acquired_at + self.max_hold
         #: The cut of a suspended connection, or None while connected.
         self.suspended_until: float | None = None
+        self._losing = threading.Lock()
         self._settle()
 
     def _settle(self) -> None:
@@ -61,10 +68,59 @@ class ZkLease(Lease):
         if self.released or self._lost is not None or self.suspended_until is None:
             return
         if time.monotonic() >= self._deadline:
-            self.notice_expiry()
+            self.lose(self._expiry_reason())
             return
         self.suspended_until = None
         self._settle()
+
+    def lose(self, reason: str) -> bool:
+        """Report the lease lost from one of kazoo's threads (a watch, the session listener).
+
+        The lease reads as lost at once (``lost``, ``valid_for``, ``ensure()``), but the
+        ``on_lost`` callbacks and the ``lock_lost`` signal run on a thread of their own: kazoo
+        delivers every watch of the process on one thread and session states on its
+        connection thread, so a user callback that blocks there would stall every other
+        lock's wake-ups and loss reports, or the connection itself. False if already ended.
+        """
+        with self._losing:
+            if self._lost is not None or self.released:
+                return False
+            error = LockLost(
+                f"lock {self.key!r} (fencing token {self.token}) was lost: {reason}",
+                key=self.key,
+                reason=reason,
+                token=self.token,
+            )
+            self._lost = error
+            callbacks, self._callbacks = self._callbacks, []
+        teller = threading.Thread(
+            target=self._tell, args=(error, callbacks), name="dlock-zk-lost", daemon=True
+        )
+        try:
+            teller.start()
+        except RuntimeError:  # the interpreter is shutting down (atexit's close_all): tell here
+            self._tell(error, callbacks)
+        return True
+
+    def _tell(self, error: LockLost, callbacks: list[LostCallback]) -> None:
+        """What :meth:`Lease.mark_lost` does after recording the loss: log, signal, callbacks."""
+        log.warning(
+            "lease lost: key=%s token=%s task_id=%s reason=%s",
+            self.key,
+            self.token,
+            self.holder,
+            error.reason,
+        )
+        lock_lost.send(
+            sender=self.sender,
+            key=self.key,
+            token=self.token,
+            task_id=self.holder,
+            reason=error.reason,
+            held_for=time.monotonic() - self.acquired_at,
+        )
+        for callback in callbacks:
+            self._run_callback(callback, error)
 
     def _expiry_reason(self) -> str:
         if self.max_hold is not None and self._deadline >= self.bound:

@@ -341,7 +341,7 @@ class _Guard:
             return
         self._session.discard(lease)
         watchdog.discard(lease)
-        lease.mark_lost(
+        lease.lose(  # on kazoo's watch thread: callbacks run elsewhere (see ZkLease.lose)
             "its lock node was deleted by another client (celery dlock release, or an operator)"
         )
 

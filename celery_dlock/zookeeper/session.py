@@ -279,7 +279,7 @@ class SharedClient:
                 )
                 for lease in leases:
                     watchdog.discard(lease)
-                    lease.mark_lost(reason)
+                    lease.lose(reason)  # callbacks off this thread (see ZkLease.lose)
             else:  # CONNECTED: the same session again (a new one follows LOST)
                 self.connected.set()
                 self.suspended_at = None
