@@ -536,3 +536,33 @@ def _serving(backend: ZooKeeperBackend) -> bool:
     except Exception:
         return False
     return True
+
+
+def test_a_refusal_racing_a_forget_still_names_the_holder(url: str) -> None:
+    """Two beats claim one tick: the first forgets its lease (its node replaced by a timed
+    one) just as the second's refusal reads the first node: the refusal looks again and
+    names the holder, instead of saying nobody (beat would then send the tick twice)."""
+    first = ZooKeeperBackend(url)
+    lease = first.acquire("tick-race", ttl=5, holder="beat-1")
+    second = other(url)
+    client = second.shared.start()
+    real_call = client._call
+    forgot: list[bool] = []
+
+    def interleave(request: Any, async_object: Any) -> Any:
+        # Right before the second's read of the holder's node: the first forgets its lease.
+        if type(request).__name__ == "GetData" and not forgot:
+            forgot.append(True)
+            first.forget(lease)
+        return real_call(request, async_object)
+
+    client._call = interleave
+    try:
+        with pytest.raises(LockContended) as caught:
+            second.acquire("tick-race", holder="beat-2")
+    finally:
+        del client._call
+    assert forgot
+    assert caught.value.holder is not None
+    assert caught.value.holder.task_id == "beat-1"
+    assert [h.task_id for h in second.queue("tick-race")] == ["beat-1"]

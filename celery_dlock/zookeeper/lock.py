@@ -346,6 +346,20 @@ class _Guard:
         )
 
 
+#: Fresh attempts when a refusal found the first node gone before it could name its holder.
+HEAD_VANISHED_RETRIES = 3
+
+
+class _HeadVanished(Exception):
+    """A refusal (``wait`` ran out) found the first node in line gone when it read its holder:
+    released or replaced meanwhile. Our node is deleted; a fresh attempt may take the key, or
+    name who holds it now."""
+
+    def __init__(self, refusal: LockContended) -> None:
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
 class _Reaper:
     """One daemon thread per process that runs jobs when due: deleting this process's
     forgotten nodes when their ttl is up (:meth:`ZooKeeperBackend.forget`). A job returns in
@@ -623,6 +637,31 @@ class ZooKeeperBackend:
         on_lost: LostCallback | None,
     ) -> NodeLease:
         """Read an attempt's replies, wait in line as ``wait`` allows, and make the lease."""
+        for _ in range(HEAD_VANISHED_RETRIES):
+            try:
+                return self._finish_once(attempt, wait, takeover, max_hold, on_lost)
+            except _HeadVanished as vanished:
+                refusal = vanished.refusal
+            attempt = _Attempt(
+                self,
+                attempt.key,
+                attempt.ttl,
+                attempt.holder,
+                timed=attempt.timed,
+                queued=attempt.queued,
+                sender=attempt.sender,
+            )
+        raise refusal
+
+    def _finish_once(
+        self,
+        attempt: _Attempt,
+        wait: float | None,
+        takeover: str | None,
+        max_hold: float | None,
+        on_lost: LostCallback | None,
+    ) -> NodeLease:
+        """:meth:`_finish` for one attempt (:class:`_HeadVanished`: make another)."""
         session, key = attempt.session, attempt.key
         try:
             entered = self._enter(attempt)
@@ -631,7 +670,7 @@ class ZooKeeperBackend:
         attempt.guard.path = entered.path
         try:
             won = self._queue(attempt, entered, wait, takeover)
-        except LockContended:
+        except (LockContended, _HeadVanished):
             raise  # our node is already deleted
         except BaseException:
             attempt.guard.cancel()
@@ -1027,11 +1066,16 @@ class ZooKeeperBackend:
         sent = [client.get_async(path)]
         deleting = client.delete_async(f"{parent}/{name}")
         holder: Holder | None = None
+        vanished = False
         try:
             raw, stat = session.call(lambda: sent.pop() if sent else client.get_async(path))
             holder = read_holder(raw, stat)
+        except NoNodeError:
+            # Released, or replaced (a beat's tick key made timed right after it was taken):
+            # the caller tries again rather than refuse without naming a holder.
+            vanished = True
         except KAZOO_ERRORS:
-            holder = None  # released meanwhile, or unreadable: the refusal stands
+            holder = None  # unreadable: the refusal stands
         try:
             deleting.get(timeout=session.op_timeout)
         except NoNodeError:
@@ -1040,7 +1084,10 @@ class ZooKeeperBackend:
             with session.lock:
                 session.owed.add(f"{parent}/{name}")
         who = holder.describe() if holder else "another contender"
-        return LockContended(f"lock {key!r} is held by {who}", key=key, holder=holder)
+        refusal = LockContended(f"lock {key!r} is held by {who}", key=key, holder=holder)
+        if vanished:
+            raise _HeadVanished(refusal)
+        return refusal
 
     @staticmethod
     def _abandon(client: KazooClient, session: SharedClient, path: str) -> None:
