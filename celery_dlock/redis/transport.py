@@ -172,8 +172,12 @@ def run_script(
     can never be mistaken for the answer to a later command). Nodes that forgot the script
     (restart, ``SCRIPT FLUSH``) get its source in a second round, again all at once.
     """
-    if nodes and nodes[0].cluster:  # a Cluster is always the only node (config.check_urls)
-        return [cast(Cluster, nodes[0]).run(name, keys, args, timeout)]
+    if len(nodes) == 1:
+        node = nodes[0]
+        if node.cluster:  # a Cluster is always the only node (config.check_urls)
+            return [cast(Cluster, node).run(name, keys, args, timeout)]
+        if not node.watched:
+            return [_run_one(node, name, keys, args, timeout)]
     conns = [node.connection() for node in nodes]
     replies: list[Reply] = [_PENDING] * len(nodes)
     several = len(nodes) > 1
@@ -209,6 +213,61 @@ def run_script(
             elif nodes[i]._down_until:
                 nodes[i]._down_until = 0.0  # it answered: its cool-down is over
     return replies
+
+
+def _run_one(
+    node: Node, name: str, keys: Sequence[str], args: Sequence[Any], timeout: float
+) -> Reply:
+    """:func:`run_script` on one plain node (not Sentinel-watched, not a Cluster): the same
+    steps without the fan-out's bookkeeping, which costs more than the rest of a lock cycle's
+    Python on a single Redis."""
+    conn = node.connection()
+    if conn._sock is None:
+        try:
+            connect(node, conn)
+        except (RedisError, OSError) as exc:
+            exc.dlock_unsent = True  # type: ignore[union-attr]
+            return exc
+    script = node.scripts[name]
+    packed = _pack(conn, ("EVALSHA", script.sha, len(keys), *keys, *args))
+    if timeout >= node.timeout:
+        reply = _exchange_one(node, conn, packed)
+    else:  # a shorter deadline than the socket timeout: poll for the reply
+        replies: list[Reply] = [_PENDING]
+        _exchange((node,), (conn,), (0,), packed, timeout, replies)
+        reply = replies[0]
+    if isinstance(reply, NoScriptError):
+        replies = [reply]
+        _send_source((node,), (conn,), (0,), script, keys, args, timeout, replies)
+        reply = replies[0]
+    return reply
+
+
+def _exchange_one(node: Node, conn: Connection, packed: Any) -> Reply:
+    """:func:`_exchange` for one plain node whose socket timeout bounds the wait: write
+    ``packed``, read its reply (after any owed before it)."""
+    tracked = _any_tracked
+    state: ConnState = conn._dlock
+    unread = False
+    try:
+        if state.owed:
+            _drain(node, conn)
+        try:
+            if _stale(conn):  # closed by the server (restart, idle timeout): reconnect
+                reconnect(node, conn)
+            if tracked:
+                sent = state.sent
+                if sent and sent[0][1] is not conn._sock:
+                    _resend_lost(node, conn)
+            conn.send_packed_command(packed, check_health=False)
+        except (RedisError, OSError) as exc:
+            return exc
+        unread = True
+        return _reply(node, conn) if tracked else _read(conn)
+    except BaseException:  # interrupted: the reply must never be read as a later one's
+        if unread:
+            conn.disconnect()
+        raise
 
 
 def _ask_again(
