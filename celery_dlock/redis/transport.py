@@ -140,19 +140,19 @@ def _stale(conn: Connection) -> bool:
     sock = getattr(conn, "_sock", None)
     if sock is None:
         return False
-    if isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):
-        return True
     try:
         # One poll object per socket, kept on the connection: making one per call cost
         # more than the poll itself, on every acquire and every release.
         state: ConnState = conn._dlock
-        if state.sock is not sock:
-            state.on(sock)
         poller = state.poll
-        if poller is None:
+        if poller is None or state.sock is not sock:
+            state.on(sock)
             poller = select.poll()
             poller.register(sock, select.POLLIN)
             state.poll = poller
+            state.tls = isinstance(sock, ssl.SSLSocket)
+        if state.tls and _tls_pending(sock):
+            return True
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
@@ -247,19 +247,12 @@ def _exchange_one(node: Node, conn: Connection, packed: Any) -> Reply:
     """:func:`_exchange` for one plain node whose socket timeout bounds the wait: write
     ``packed``, read its reply (after any owed before it)."""
     tracked = _any_tracked
-    state: ConnState = conn._dlock
     unread = False
     try:
-        if state.owed:
+        if conn._dlock.owed:
             _drain(node, conn)
         try:
-            if _stale(conn):  # closed by the server (restart, idle timeout): reconnect
-                reconnect(node, conn)
-            if tracked:
-                sent = state.sent
-                if sent and sent[0][1] is not conn._sock:
-                    _resend_lost(node, conn)
-            conn.send_packed_command(packed, check_health=False)
+            _write(node, conn, packed, tracked)
         except (RedisError, OSError) as exc:
             return exc
         unread = True
@@ -351,23 +344,36 @@ def send_script(
         except RedisError as exc:
             log.debug("could not send %s to %s: %s", name, nodes[0].shown, exc)
             return list(nodes)
+    if len(nodes) == 1:
+        return [] if _send_to(nodes[0], name, keys, args, resend, packed) else list(nodes)
     missed: list[Node] = []
     for node in nodes:
-        if len(nodes) > 1 and node.down:
-            missed.append(node)
-            continue
-        conn = node.connection()
-        try:
-            _prepare(node, conn)
-            if not _send_unanswered(node, conn, name, keys, args, packed):
-                _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
-            if resend is not None:  # unconfirmed until a later reply on this socket
-                _track(node, conn, resend)
-        except (RedisError, OSError) as exc:
-            conn.disconnect()
-            log.debug("could not send %s to %s: %s", name, node.shown, exc)
+        if node.down or not _send_to(node, name, keys, args, resend, packed):
             missed.append(node)
     return missed
+
+
+def _send_to(
+    node: Node,
+    name: str,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    resend: Resend | None,
+    packed: dict[bool | None, Any],
+) -> bool:
+    """:func:`send_script` to one node; False if it could not be sent (connection dropped)."""
+    conn = node.connection()
+    try:
+        _prepare(node, conn)
+        if not _send_unanswered(node, conn, name, keys, args, packed):
+            _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
+        if resend is not None:  # unconfirmed until a later reply on this socket
+            _track(node, conn, resend)
+    except (RedisError, OSError) as exc:
+        conn.disconnect()
+        log.debug("could not send %s to %s: %s", name, node.shown, exc)
+        return False
+    return True
 
 
 #: What to send again if a reply-less command may have been lost with its connection: a
@@ -799,18 +805,7 @@ def _exchange(
         for i in todo:
             conn = conns[i]
             try:
-                if ((i in stale) if stale is not None else _stale(conn)) or (
-                    nodes[i].watched and nodes[i].switched(conn)
-                ):
-                    # Readable before we asked: the server closed the connection (restart,
-                    # idle timeout). Or the sentinels announced another master. Reconnect
-                    # rather than fail this call.
-                    reconnect(nodes[i], conn)
-                if tracked:
-                    sent = conn._dlock.sent
-                    if sent and sent[0][1] is not conn._sock:
-                        _resend_lost(nodes[i], conn)
-                conn.send_packed_command(packed, check_health=False)
+                _write(nodes[i], conn, packed, tracked, (i in stale) if stale is not None else None)
                 unread[conn._sock.fileno()] = i
             except (RedisError, OSError) as exc:
                 replies[i] = exc
@@ -840,6 +835,24 @@ def _exchange(
         for i in unread.values():
             conns[i].disconnect()
         raise
+
+
+def _write(
+    node: Node, conn: Connection, packed: Any, tracked: bool, stale: bool | None = None
+) -> None:
+    """Write ``packed`` on ``conn``, whose owed replies are read: first reconnect it if the
+    server closed it (``stale``; None: poll it now) or it reaches a master no longer
+    announced, and, on a connection that has carried tracked commands, send again those lost
+    with an earlier socket."""
+    if (_stale(conn) if stale is None else stale) or (node.watched and node.switched(conn)):
+        # Readable before we asked: the server closed the connection (restart, idle
+        # timeout). Or the sentinels announced another master. Reconnect rather than fail.
+        reconnect(node, conn)
+    if tracked:
+        sent = conn._dlock.sent
+        if sent and sent[0][1] is not conn._sock:
+            _resend_lost(node, conn)
+    conn.send_packed_command(packed, check_health=False)
 
 
 def _read(conn: Connection) -> Reply:
