@@ -99,6 +99,8 @@ class LockManager:
         #: A Redis Cluster (always the only node): one script call may touch only one slot.
         self.cluster = any(node.cluster for node in self.nodes)
         self._retention_ms = ms(settings.fence_retention)
+        #: The acquire script's "floor the token at the server clock" flag (single Redis).
+        self._floor = "0" if self.redlock else "1"
 
     def __repr__(self) -> str:
         kind = f"Redlock over {len(self.nodes)} nodes" if self.redlock else "single Redis"
@@ -187,12 +189,6 @@ class LockManager:
         request = _Request(
             key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention
         )
-        return self._acquire(request, wait, on_lost)
-
-    def _acquire(
-        self, request: _Request, wait: float | None, on_lost: LostCallback | None
-    ) -> Lease:
-        key = request.key
         if self.cluster and key.startswith("}"):
             raise ConfigError(
                 f"lock key {key!r} starts with '}}': on Redis Cluster that empties the "
@@ -214,7 +210,7 @@ class LockManager:
         on_lost: LostCallback | None,
         outcome: Refusal,
     ) -> Lease:
-        """:meth:`_acquire` after a first attempt that did not take the key (``outcome``)."""
+        """:meth:`acquire_checked` after a first attempt that did not take the key (``outcome``)."""
         key = request.key
         ttl = request.ttl
         give_up = None if wait is None else begun + wait
@@ -264,7 +260,10 @@ class LockManager:
             # reports a lease that is not renewed when its validity runs out.
             watchdog.add(lease)
         waited = lease.acquired_at - begun
-        log_acquire.debug("acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited)
+        if log_acquire.isEnabledFor(logging.DEBUG):  # what debug() asks first, one call less
+            log_acquire.debug(
+                "acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited
+            )
         if lock_acquired.receivers:  # sending costs a call and a dict even to nobody
             lock_acquired.send(
                 sender=request.sender,
@@ -296,11 +295,15 @@ class LockManager:
         )
 
     def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
-        retention = request.retention_ms or self._retention_ms
-        floor = "0" if self.redlock else "1"
         return (
             (keys[0], keys[1], void_key(keys[0], head)),
-            (head, ms(request.ttl), retention, request.takeover, floor),
+            (
+                head,
+                ms(request.ttl),
+                request.retention_ms or self._retention_ms,
+                request.takeover,
+                self._floor,
+            ),
         )
 
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | Refusal:
