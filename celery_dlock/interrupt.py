@@ -65,7 +65,7 @@ class Run:
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
-        self.main = threading.current_thread() is threading.main_thread()
+        self.main = self.thread == threading.main_thread().ident
         self.active = True
         self.requested = False
         self.delivered = False  # LockLost reached the body: by this interrupt, or by ensure()

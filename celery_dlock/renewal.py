@@ -44,32 +44,46 @@ class Watchdog:
 
     def __init__(self) -> None:
         self._pid = forks.pid()
-        self._cond = threading.Condition()
+        self._fresh()
+
+    def _fresh(self) -> None:
+        # A plain Lock under the condition: ``with self._lock`` costs no Python-level call,
+        # unlike entering the Condition (add and discard run on every task).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
+        #: True from the thread's start until its loop ends (cheaper than is_alive() per add).
+        self._running = False
         self._wake_at = math.inf  # when the thread will look next, if it is waiting
 
     def _fork_check(self) -> None:
         if self._pid != forks.pid():
             # Forked: the parent's leases and thread do not belong to this process.
             self._pid = forks.pid()
-            self._cond = threading.Condition()
-            self._leases = set()
-            self._thread = None
-            self._wake_at = math.inf
+            self._fresh()
 
     def add(self, lease: Lease) -> None:
-        self._fork_check()
-        with self._cond:
+        if self._pid != forks.pid():
+            self._fork_check()
+        with self._lock:
             self._leases.add(lease)
-            if self._thread is None or not self._thread.is_alive():
+            if not self._running:
+                self._running = True
                 self._thread = threading.Thread(
                     target=self._run, name="dlock-watchdog", daemon=True
                 )
                 self._thread.start()
-            if _due_at(lease) < self._wake_at:
-                # Only a lease due before the thread's next look needs waking it: most
-                # acquisitions are not, and a needless wake-up costs a GIL hand-off each.
+            # Only a lease due before the thread's next look needs waking it: most
+            # acquisitions are not, and a needless wake-up costs a GIL hand-off each. This is
+            # ``_due_at(lease) < self._wake_at`` without its clock read: a lease whose
+            # validity ran out has its deadline before the next look already.
+            wake_at = self._wake_at
+            if (
+                wake_at > lease.next_renewal
+                or wake_at > lease.deadline
+                or (wake_at > 0.0 and (lease.released or lease._lost is not None))
+            ):
                 self._cond.notify()
 
     def hurry(self, concerned: Callable[[LeaseBackend], bool]) -> None:
@@ -87,8 +101,9 @@ class Watchdog:
             self._cond.notify()
 
     def discard(self, lease: Lease) -> None:
-        self._fork_check()
-        with self._cond:
+        if self._pid != forks.pid():
+            self._fork_check()
+        with self._lock:
             self._leases.discard(lease)
 
     def __len__(self) -> int:
@@ -102,6 +117,13 @@ class Watchdog:
 
     def _run(self) -> None:
         cond = self._cond
+        try:
+            self._loop(cond)
+        finally:
+            if cond is self._cond:  # not forked away: a later add() starts another thread
+                self._running = False
+
+    def _loop(self, cond: threading.Condition) -> None:
         while True:
             with cond:
                 if cond is not self._cond:

@@ -646,8 +646,9 @@ _running = threading.local()
 
 
 def _lease_stack(task: SingletonTask) -> list[Lease]:
-    stacks: dict[int, list[Lease]] | None = getattr(_running, "stacks", None)
-    if stacks is None:
+    try:
+        stacks: dict[int, list[Lease]] = _running.stacks
+    except AttributeError:  # this thread's first
         stacks = _running.stacks = {}
     stack = stacks.get(id(task))
     if stack is None:  # not setdefault: that would build a list on every call

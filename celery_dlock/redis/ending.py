@@ -55,16 +55,17 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
         until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
         owed = [m.nodes[i] for i in lease._silent] if lease._silent else []
         if not wait:
-            args = (lease.head, ms(lease.ttl), "1", head_nonce(lease.head))
+            head = lease.head
+            ttl_ms = ms(lease.ttl)
+            nonce = head_nonce(head)
+            script_keys = (keys[0], keys[2])
             # Sent again if it may have been lost with its connection: waking a waiter
             # only if the key was still there (the first one may have landed).
-            resend: Resend = (
-                "release",
-                (keys[0], keys[2]),
-                (args[0], args[1], "2", args[3]),
-                until,
-            )
-            owed += send_script(m.nodes, "release", (keys[0], keys[2]), args, resend)
+            resend: Resend = ("release", script_keys, (head, ttl_ms, "2", nonce), until)
+            args = (head, ttl_ms, "1", nonce)
+            missed = send_script(m.nodes, "release", script_keys, args, resend)
+            if missed:
+                owed += missed
             replies: list[Reply] = []
         else:
             replies = release_on(m, m.nodes, keys, lease.head, lease.ttl, wake=True)
@@ -76,14 +77,15 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
             late_keys, late_args = late_release(lease, keys)
             janitor.release(list(dict.fromkeys(owed)), late_keys, late_args, until, lease.ttl)
     confirmed = sum(1 for r in replies if r == 1) >= m.quorum if wait else None
-    lock_released.send(
-        sender=lease.sender,
-        key=lease.key,
-        token=lease.token,
-        task_id=lease.holder,
-        held_for=time.monotonic() - lease.acquired_at,
-        confirmed=confirmed,
-    )
+    if lock_released.receivers:  # sending costs a call and a dict even to nobody
+        lock_released.send(
+            sender=lease.sender,
+            key=lease.key,
+            token=lease.token,
+            task_id=lease.holder,
+            held_for=time.monotonic() - lease.acquired_at,
+            confirmed=confirmed,
+        )
     if confirmed is None:
         return False
     failed = [

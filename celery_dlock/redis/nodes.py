@@ -49,7 +49,7 @@ class ConnState:
     dies, and each ``sent`` entry names the socket it went out on.
     """
 
-    __slots__ = ("known", "node", "owed", "poll", "sent", "skip", "sock")
+    __slots__ = ("known", "node", "owed", "poll", "sent", "skip", "sock", "tls")
 
     def __init__(self, node: Node) -> None:
         #: The node the connection belongs to (the janitor resends on it).
@@ -61,6 +61,8 @@ class ConnState:
         #: A ``select.poll`` object with ``sock`` registered (one per call cost more than the
         #: poll itself).
         self.poll: Any = None
+        #: Whether ``sock`` is a TLS socket (set with ``poll``).
+        self.tls = False
         #: Whether the server honours ``CLIENT REPLY SKIP`` on ``sock``; None: not asked yet.
         self.skip: bool | None = None
         #: Commands sent whose replies are still to be read, in order (``transport._Owed``).
@@ -147,6 +149,11 @@ class Node:
             # A forked child must not share the parent's sockets: start afresh.
             self._local = threading.local()
             self._pid = forks.pid()
+        try:  # on every command: the usual case first
+            conn: Connection = self._local.conns[purpose]
+            return conn
+        except (AttributeError, KeyError):
+            pass
         conns: _ThreadConnections | None = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = _ThreadConnections()

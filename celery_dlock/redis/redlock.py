@@ -29,8 +29,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -73,9 +72,8 @@ SPLIT_RETRIES = 5
 BATON_RETRIES = 8
 
 
-@dataclass(frozen=True)
-class _Request:
-    """What one acquire call asks for, checked."""
+class _Request(NamedTuple):
+    """What one acquire call asks for, checked (a tuple: made on every acquire)."""
 
     key: str
     ttl: float
@@ -101,6 +99,8 @@ class LockManager:
         #: A Redis Cluster (always the only node): one script call may touch only one slot.
         self.cluster = any(node.cluster for node in self.nodes)
         self._retention_ms = ms(settings.fence_retention)
+        #: The acquire script's "floor the token at the server clock" flag (single Redis).
+        self._floor = "0" if self.redlock else "1"
 
     def __repr__(self) -> str:
         kind = f"Redlock over {len(self.nodes)} nodes" if self.redlock else "single Redis"
@@ -189,13 +189,6 @@ class LockManager:
         request = _Request(
             key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention
         )
-        return self._acquire(request, wait, on_lost)
-
-    def _acquire(
-        self, request: _Request, wait: float | None, on_lost: LostCallback | None
-    ) -> Lease:
-        key = request.key
-        ttl = request.ttl
         if self.cluster and key.startswith("}"):
             raise ConfigError(
                 f"lock key {key!r} starts with '}}': on Redis Cluster that empties the "
@@ -203,14 +196,28 @@ class LockManager:
             )
         keys = self.redis_keys(key)
         begun = time.monotonic()
+        outcome = self._attempt(request, keys)
+        if isinstance(outcome, Lease):  # the usual case: no loop to set up
+            return self._won(request, outcome, begun, on_lost)
+        return self._retry(request, keys, begun, wait, on_lost, outcome)
+
+    def _retry(
+        self,
+        request: _Request,
+        keys: tuple[str, str, str],
+        begun: float,
+        wait: float | None,
+        on_lost: LostCallback | None,
+        outcome: Refusal,
+    ) -> Lease:
+        """:meth:`acquire_checked` after a first attempt that did not take the key (``outcome``)."""
+        key = request.key
+        ttl = request.ttl
         give_up = None if wait is None else begun + wait
         woken_from: str | None = None  # nonce of the holder whose release woke us, if any
         baton = 0
         splits = 0
         while True:
-            outcome = self._attempt(request, keys)
-            if isinstance(outcome, Lease):
-                return self._won(request, outcome, begun, on_lost)
             if outcome.unavailable:
                 raise self._refused(key, outcome)
             if outcome.split and splits < SPLIT_RETRIES:
@@ -219,19 +226,24 @@ class LockManager:
                 # retries a split vote (https://redis.io/docs/latest/develop/use/distributed-locks/).
                 splits += 1
                 time.sleep(random.uniform(0.0, 0.005 * splits))
-                continue
-            left = None if give_up is None else give_up - time.monotonic()
-            if left is not None and left <= 0:
-                raise self._refused(key, outcome)
-            seen = outcome.holder.nonce if outcome.holder else None
-            if woken_from is not None and seen == woken_from and baton < BATON_RETRIES:
-                # The release that woke us has not reached every node yet. We hold the only
-                # wake-up it gave: try again shortly rather than sleep, or it would be lost.
-                time.sleep(min(0.001 * 2**baton, left if left is not None else 1.0))
-                baton += 1
-                continue
-            baton = 0
-            woken_from = self._wait_for_release(key, keys[2], outcome, give_up, ttl)
+            else:
+                left = None if give_up is None else give_up - time.monotonic()
+                if left is not None and left <= 0:
+                    raise self._refused(key, outcome)
+                seen = outcome.holder.nonce if outcome.holder else None
+                if woken_from is not None and seen == woken_from and baton < BATON_RETRIES:
+                    # The release that woke us has not reached every node yet. We hold the
+                    # only wake-up it gave: try again shortly rather than sleep, or it would
+                    # be lost.
+                    time.sleep(min(0.001 * 2**baton, left if left is not None else 1.0))
+                    baton += 1
+                else:
+                    baton = 0
+                    woken_from = self._wait_for_release(key, keys[2], outcome, give_up, ttl)
+            attempt = self._attempt(request, keys)
+            if isinstance(attempt, Lease):
+                return self._won(request, attempt, begun, on_lost)
+            outcome = attempt
 
     def _won(
         self, request: _Request, lease: Lease, begun: float, on_lost: LostCallback | None
@@ -248,14 +260,18 @@ class LockManager:
             # reports a lease that is not renewed when its validity runs out.
             watchdog.add(lease)
         waited = lease.acquired_at - begun
-        log_acquire.debug("acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited)
-        lock_acquired.send(
-            sender=request.sender,
-            key=request.key,
-            token=lease.token,
-            task_id=request.holder,
-            waited=waited,
-        )
+        if log_acquire.isEnabledFor(logging.DEBUG):  # what debug() asks first, one call less
+            log_acquire.debug(
+                "acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited
+            )
+        if lock_acquired.receivers:  # sending costs a call and a dict even to nobody
+            lock_acquired.send(
+                sender=request.sender,
+                key=request.key,
+                token=lease.token,
+                task_id=request.holder,
+                waited=waited,
+            )
         return lease
 
     @staticmethod
@@ -279,11 +295,15 @@ class LockManager:
         )
 
     def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
-        retention = request.retention_ms or self._retention_ms
-        floor = "0" if self.redlock else "1"
         return (
             (keys[0], keys[1], void_key(keys[0], head)),
-            (head, ms(request.ttl), retention, request.takeover, floor),
+            (
+                head,
+                ms(request.ttl),
+                request.retention_ms or self._retention_ms,
+                request.takeover,
+                self._floor,
+            ),
         )
 
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | Refusal:
@@ -336,6 +356,26 @@ class LockManager:
         replies: list[Reply],
     ) -> Lease | Refusal:
         ttl = request.ttl
+        if len(replies) == 1:
+            # One node that took the key (the usual case): the lease, unless its validity ran
+            # out meanwhile (then the general path below undoes the attempt).
+            reply = replies[0]
+            if not isinstance(reply, BaseException) and reply[0] == 1:
+                deadline = started + ttl - drift(ttl, self.settings.drift_factor)
+                if deadline > time.monotonic():
+                    return Lease(
+                        self,
+                        request.key,
+                        int(reply[1]),
+                        head,
+                        holder=request.holder,
+                        ttl=ttl,
+                        started=started,
+                        deadline=deadline,
+                        renew_interval=request.interval,
+                        max_hold=request.max_hold,
+                        sender=request.sender,
+                    )
         fences, others, failures = decisions.tally(replies)
         errors = [
             (self.nodes[i].shown, describe(replies[i], self.nodes[i]))

@@ -140,19 +140,19 @@ def _stale(conn: Connection) -> bool:
     sock = getattr(conn, "_sock", None)
     if sock is None:
         return False
-    if isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):
-        return True
     try:
         # One poll object per socket, kept on the connection: making one per call cost
         # more than the poll itself, on every acquire and every release.
         state: ConnState = conn._dlock
-        if state.sock is not sock:
-            state.on(sock)
         poller = state.poll
-        if poller is None:
+        if poller is None or state.sock is not sock:
+            state.on(sock)
             poller = select.poll()
             poller.register(sock, select.POLLIN)
             state.poll = poller
+            state.tls = isinstance(sock, ssl.SSLSocket)
+        if state.tls and _tls_pending(sock):
+            return True
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
@@ -172,8 +172,12 @@ def run_script(
     can never be mistaken for the answer to a later command). Nodes that forgot the script
     (restart, ``SCRIPT FLUSH``) get its source in a second round, again all at once.
     """
-    if nodes and nodes[0].cluster:  # a Cluster is always the only node (config.check_urls)
-        return [cast(Cluster, nodes[0]).run(name, keys, args, timeout)]
+    if len(nodes) == 1:
+        node = nodes[0]
+        if node.cluster:  # a Cluster is always the only node (config.check_urls)
+            return [cast(Cluster, node).run(name, keys, args, timeout)]
+        if not node.watched:
+            return [_run_one(node, name, keys, args, timeout)]
     conns = [node.connection() for node in nodes]
     replies: list[Reply] = [_PENDING] * len(nodes)
     several = len(nodes) > 1
@@ -209,6 +213,54 @@ def run_script(
             elif nodes[i]._down_until:
                 nodes[i]._down_until = 0.0  # it answered: its cool-down is over
     return replies
+
+
+def _run_one(
+    node: Node, name: str, keys: Sequence[str], args: Sequence[Any], timeout: float
+) -> Reply:
+    """:func:`run_script` on one plain node (not Sentinel-watched, not a Cluster): the same
+    steps without the fan-out's bookkeeping, which costs more than the rest of a lock cycle's
+    Python on a single Redis."""
+    conn = node.connection()
+    if conn._sock is None:
+        try:
+            connect(node, conn)
+        except (RedisError, OSError) as exc:
+            exc.dlock_unsent = True  # type: ignore[union-attr]
+            return exc
+    script = node.scripts[name]
+    packed = _pack(conn, ("EVALSHA", script.sha, len(keys), *keys, *args))
+    if timeout >= node.timeout:
+        reply = _exchange_one(node, conn, packed)
+    else:  # a shorter deadline than the socket timeout: poll for the reply
+        replies: list[Reply] = [_PENDING]
+        _exchange((node,), (conn,), (0,), packed, timeout, replies)
+        reply = replies[0]
+    if isinstance(reply, NoScriptError):
+        replies = [reply]
+        _send_source((node,), (conn,), (0,), script, keys, args, timeout, replies)
+        reply = replies[0]
+    return reply
+
+
+def _exchange_one(node: Node, conn: Connection, packed: Any) -> Reply:
+    """:func:`_exchange` for one plain node whose socket timeout bounds the wait: write
+    ``packed``, read its reply (after any owed before it)."""
+    tracked = _any_tracked
+    unread = False
+    try:
+        if conn._dlock.owed:
+            _drain(node, conn)
+        try:
+            _write(node, conn, packed, tracked)
+        except (RedisError, OSError) as exc:
+            return exc
+        unread = True
+        return _reply(node, conn) if tracked else _read(conn)
+    except BaseException:  # interrupted: the reply must never be read as a later one's
+        if unread:
+            conn.disconnect()
+        raise
 
 
 def _ask_again(
@@ -292,23 +344,36 @@ def send_script(
         except RedisError as exc:
             log.debug("could not send %s to %s: %s", name, nodes[0].shown, exc)
             return list(nodes)
+    if len(nodes) == 1:
+        return [] if _send_to(nodes[0], name, keys, args, resend, packed) else list(nodes)
     missed: list[Node] = []
     for node in nodes:
-        if len(nodes) > 1 and node.down:
-            missed.append(node)
-            continue
-        conn = node.connection()
-        try:
-            _prepare(node, conn)
-            if not _send_unanswered(node, conn, name, keys, args, packed):
-                _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
-            if resend is not None:  # unconfirmed until a later reply on this socket
-                _track(node, conn, resend)
-        except (RedisError, OSError) as exc:
-            conn.disconnect()
-            log.debug("could not send %s to %s: %s", name, node.shown, exc)
+        if node.down or not _send_to(node, name, keys, args, resend, packed):
             missed.append(node)
     return missed
+
+
+def _send_to(
+    node: Node,
+    name: str,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    resend: Resend | None,
+    packed: dict[bool | None, Any],
+) -> bool:
+    """:func:`send_script` to one node; False if it could not be sent (connection dropped)."""
+    conn = node.connection()
+    try:
+        _prepare(node, conn)
+        if not _send_unanswered(node, conn, name, keys, args, packed):
+            _send_owed(node, conn, _Owed(name, tuple(keys), tuple(args)), packed)
+        if resend is not None:  # unconfirmed until a later reply on this socket
+            _track(node, conn, resend)
+    except (RedisError, OSError) as exc:
+        conn.disconnect()
+        log.debug("could not send %s to %s: %s", name, node.shown, exc)
+        return False
+    return True
 
 
 #: What to send again if a reply-less command may have been lost with its connection: a
@@ -740,18 +805,7 @@ def _exchange(
         for i in todo:
             conn = conns[i]
             try:
-                if ((i in stale) if stale is not None else _stale(conn)) or (
-                    nodes[i].watched and nodes[i].switched(conn)
-                ):
-                    # Readable before we asked: the server closed the connection (restart,
-                    # idle timeout). Or the sentinels announced another master. Reconnect
-                    # rather than fail this call.
-                    reconnect(nodes[i], conn)
-                if tracked:
-                    sent = conn._dlock.sent
-                    if sent and sent[0][1] is not conn._sock:
-                        _resend_lost(nodes[i], conn)
-                conn.send_packed_command(packed, check_health=False)
+                _write(nodes[i], conn, packed, tracked, (i in stale) if stale is not None else None)
                 unread[conn._sock.fileno()] = i
             except (RedisError, OSError) as exc:
                 replies[i] = exc
@@ -781,6 +835,24 @@ def _exchange(
         for i in unread.values():
             conns[i].disconnect()
         raise
+
+
+def _write(
+    node: Node, conn: Connection, packed: Any, tracked: bool, stale: bool | None = None
+) -> None:
+    """Write ``packed`` on ``conn``, whose owed replies are read: first reconnect it if the
+    server closed it (``stale``; None: poll it now) or it reaches a master no longer
+    announced, and, on a connection that has carried tracked commands, send again those lost
+    with an earlier socket."""
+    if (_stale(conn) if stale is None else stale) or (node.watched and node.switched(conn)):
+        # Readable before we asked: the server closed the connection (restart, idle
+        # timeout). Or the sentinels announced another master. Reconnect rather than fail.
+        reconnect(node, conn)
+    if tracked:
+        sent = conn._dlock.sent
+        if sent and sent[0][1] is not conn._sock:
+            _resend_lost(node, conn)
+    conn.send_packed_command(packed, check_health=False)
 
 
 def _read(conn: Connection) -> Reply:
