@@ -9,11 +9,18 @@ five for the Redlock rows) and measures, in one run on those servers:
                   connections, then the five replies read — the least any Redlock over five
                   masters costs from one Python thread (two rounds of five concurrent round
                   trips), the floor for ``ours-5`` and ``lock-urls-5``,
+* ``scripts-1``   our own acquire and release Lua scripts (fencing counter, void marker, waiter
+                  signal) sent bare with redis-py, nothing else: what the server side of our
+                  cycle costs; ``scripts-5`` the same on five servers at once (write all, read
+                  all): the floor for ``ours-5`` and ``lock-urls-5`` with these scripts,
 * ``redis-py``    redis-py's ``Lock``: ``acquire(blocking=False)`` + ``release()``,
 * ``pottery-1``   pottery's ``Redlock`` on one master, ``pottery-5`` on five,
 * ``redis-lock``  python-redis-lock's ``Lock``: ``acquire(blocking=False)`` + ``release()``,
 * ``ours-1``      ``manager.acquire(key, ttl=10, renew=False)`` + ``lease.release()``, one URL:
                   the internal path, without the public wrapper,
+* ``ours-1r``     the same with ``renew=True`` (registered with the watchdog while held), which is
+                  what ``lock()`` does by default: ``lock-urls-1`` / ``ours-1r`` is the
+                  public wrapper's own cost,
 * ``ours-5``      the same on five URLs (Redlock),
 * ``lock-urls-1`` what users write: ``with celery_dlock.lock([url], key, ttl=10):`` (renewed
                   while held, as by default), ``lock-urls-5`` the same on five URLs,
@@ -70,6 +77,7 @@ from celery import Celery
 from pottery import Redlock
 
 from celery_dlock import lock
+from celery_dlock.redis.scripts import ACQUIRE, RELEASE
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import redis_servers
 
@@ -89,6 +97,13 @@ RATIOS: tuple[tuple[str, str, float | None], ...] = (
     ("lock-urls-1", "raw", 1.10),
     ("lock-urls-1", "ours-1", 1.03),
     ("lock-app-1", "ours-1", 1.03),
+    ("lock-urls-1", "ours-1r", 1.03),
+    ("lock-app-1", "ours-1r", 1.03),
+    ("ours-1r", "ours-1", None),
+    ("scripts-5", "scripts-1", None),
+    ("lock-urls-5", "scripts-5", None),
+    ("lock-urls-1", "scripts-1", None),
+    ("scripts-1", "raw", None),
     ("lock-urls-5", "lock-urls-1", 1.6),
     ("ours-1", "raw", 1.10),
     ("ours-5", "ours-1", 1.6),
@@ -166,6 +181,36 @@ def time_batch(op: Callable[[], None], cycles: int) -> list[float]:
     return out
 
 
+def scripts(urls: Sequence[str], key: str) -> Callable[[], None]:
+    """Our ACQUIRE and RELEASE scripts, bare: written to every server, then read."""
+    conns = [redis.Redis.from_url(u).connection_pool.get_connection() for u in urls]
+    shas = [
+        redis.Redis.from_url(urls[0]).script_load(ACQUIRE),
+        redis.Redis.from_url(urls[0]).script_load(RELEASE),
+    ]
+    for u in urls[1:]:
+        redis.Redis.from_url(u).script_load(ACQUIRE)
+        redis.Redis.from_url(u).script_load(RELEASE)
+    lock_key, fence_key, signal_key = f"{key}:l", f"{key}:f", f"{key}:s"
+
+    def cycle() -> None:
+        token = secrets.token_urlsafe(15)
+        head = f'{{"token":"{token}","holder":null,"fence":'
+        void = f"{lock_key}:void:{token}"
+        for conn in conns:
+            conn.send_command(
+                "EVALSHA", shas[0], 3, lock_key, fence_key, void, head, TTL_MS, TTL_MS, "", "0"
+            )
+        if any(conn.read_response()[0] != 1 for conn in conns):
+            raise RuntimeError("scripts: acquire refused: key left over")
+        for conn in conns:
+            conn.send_command("EVALSHA", shas[1], 2, lock_key, signal_key, head, 1000, "1", token)
+        if [conn.read_response() for conn in conns] != [1] * len(conns):
+            raise RuntimeError("scripts: release did not delete")
+
+    return cycle
+
+
 def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant]:
     def client(url: str) -> redis.Redis:
         return redis.Redis.from_url(url)
@@ -218,11 +263,11 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
 
         return cycle
 
-    def ours(urls: Sequence[str], key: str) -> Callable[[], None]:
+    def ours(urls: Sequence[str], key: str, renew: bool = False) -> Callable[[], None]:
         manager = manager_for(list(urls))
 
         def cycle() -> None:
-            lease = manager.acquire(key, ttl=TTL_S, renew=False)
+            lease = manager.acquire(key, ttl=TTL_S, renew=renew)
             lease.release()
 
         return cycle
@@ -248,6 +293,8 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
         Variant("ping", "redis-py PING round trip", ping),
         Variant("raw", "SET NX PX + compare-and-delete Script", raw),
         Variant("raw-5", "the same on 5 servers at once (write all, read all)", raw5),
+        Variant("scripts-1", "our acquire + release scripts, bare", scripts([single_url], "bs1")),
+        Variant("scripts-5", "the same on 5 servers at once", scripts(redlock_urls, "bs5")),
         Variant("redis-py", "redis-py Lock acquire(blocking=False)+release", redispy),
         Variant(
             "pottery-1",
@@ -260,6 +307,11 @@ def build_variants(single_url: str, redlock_urls: Sequence[str]) -> list[Variant
             pottery([client(u) for u in redlock_urls], "bench:pottery5"),
         ),
         Variant("ours-1", "celery_dlock, single Redis", ours([single_url], "bench:ours1")),
+        Variant(
+            "ours-1r",
+            "celery_dlock, single Redis, renew=True",
+            ours([single_url], "bench:ours1r", renew=True),
+        ),
         Variant("ours-5", "celery_dlock, Redlock over 5", ours(redlock_urls, "bench:ours5")),
         Variant("redis-lock", "python-redis-lock Lock", python_redis_lock),
         Variant(
@@ -354,9 +406,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for num, den, target in RATIOS:
         by_median = figures[num]["median_us"] / figures[den]["median_us"]
         by_mean = figures[num]["mean_us"] / figures[den]["mean_us"]
+        # Per round, num and den ran back to back: the median of those ratios is the least
+        # moved by a round that was slow for every variant.
+        paired = statistics.median(
+            a / b
+            for a, b in zip(
+                figures[num]["round_medians_us"], figures[den]["round_medians_us"], strict=True
+            )
+        )
         ratios[f"{num}/{den}"] = {
             "median": round(by_median, 3),
             "mean": round(by_mean, 3),
+            "paired": round(paired, 3),
             "target": target,
             "met_median": None if target is None else by_median <= target,
             "met_mean": None if target is None else by_mean <= target,
@@ -412,9 +473,9 @@ def print_report(result: dict[str, Any]) -> None:
             f"{v['median_us'] / raw:>6.2f} {v['client_cpu_us']:>11.1f} "
             f"{v['server_cpu_us']:>11.1f}  {spread}"
         )
-    print("\nratios of medians (of means in brackets)")
+    print("\nratios of medians (of means in brackets; paired: median of per-round ratios)")
     for key, r in result["ratios"].items():
-        line = f"  {key:<24} {r['median']:>6.3f}  ({r['mean']:.3f})"
+        line = f"  {key:<24} {r['median']:>6.3f}  ({r['mean']:.3f})  paired {r['paired']:.3f}"
         if r["target"] is not None:
             line += f"   target <= {r['target']}: {'met' if r['met_median'] else 'MISSED'}"
             if r["met_median"] != r["met_mean"]:

@@ -148,6 +148,27 @@ def revoked(run: Run) -> None:
     settles(run, states.REVOKED)
 
 
+def revoked_or_fails_with(error: type[BaseException]) -> Callable[[Run], None]:
+    """A revoke whose signal raises ``error`` in the body: two processes store a state. The
+    worker's parent stores REVOKED just after sending the signal, the pool process FAILURE
+    with ``error`` once the body has raised it, and the result backend keeps the last write
+    (only SUCCESS is never overwritten). Usually the parent writes first, but a parent slowed
+    down after its kill() lets the child write first: the caller then sees REVOKED for good.
+    Both are Celery's answer for this ending; the body must have been stopped by ``error``."""
+
+    def check(run: Run) -> None:
+        # Each is recorded after its store: once both are there, the state is final.
+        run.journal.wait_for("revoked", id=run.result.id, timeout=20)
+        (failed,) = run.journal.wait_for("failed", id=run.result.id, timeout=20)
+        assert failed["error"] == error.__name__, failed
+        meta = meta_of(run.wa, run.result.id)
+        assert meta["status"] in (states.REVOKED, states.FAILURE), meta
+        if meta["status"] == states.FAILURE:
+            assert isinstance(meta["result"], error), meta
+
+    return check
+
+
 def stays_pending(run: Run) -> None:
     # Celery stores nothing for this ending: the caller's result stays PENDING for ever.
     assert state_of(run.wa, run.result.id) == states.PENDING
@@ -290,7 +311,7 @@ ROWS = [
     Row(
         "revoke-SIGUSR1",
         PREFORK,
-        fails_with(SoftTimeLimitExceeded),
+        revoked_or_fails_with(SoftTimeLimitExceeded),
         secs=10,
         act=revoke_with("SIGUSR1"),
     ),

@@ -105,6 +105,19 @@ def _contended(
     )
 
 
+# The two writers of a revoked task's state: the worker's parent stores REVOKED, then sends
+# task_revoked; the pool process stores the body's error, then sends task_failure. Recorded
+# after each store, so a test can wait until both have written (tests/test_exit_paths.py).
+@signals.task_revoked.connect
+def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    record("revoked", id=getattr(request, "id", None))
+
+
+@signals.task_failure.connect
+def _failed(sender: Any = None, task_id: Any = None, exception: Any = None, **_: Any) -> None:
+    record("failed", id=task_id, error=type(exception).__name__)
+
+
 def _body(task: Any, name: str, secs: float, **extra: Any) -> None:
     lease = task.lease
     request = task.request

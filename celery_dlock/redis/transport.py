@@ -820,7 +820,9 @@ def _exchange(
             poller.register(fd, select.POLLIN)
         while unread:
             left = deadline - time.monotonic()
-            ready = poller.poll(max(left, 0.0) * 1000) if left > 0 else []
+            # Past the deadline, still a zero-timeout poll: a thread that got the CPU (or the
+            # GIL) back late takes the replies already there rather than call those nodes silent.
+            ready = poller.poll(max(left, 0.0) * 1000)
             if not ready:
                 for i in unread.values():
                     conns[i].disconnect()
