@@ -4,6 +4,7 @@ and a module-scoped worker."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Iterator
@@ -124,6 +125,9 @@ def worker(mode: Mode, wa: Any) -> Iterator[Worker]:
     started = Worker(mode.env, journal, name=f"main-{mode.name}").start()
     yield started
     started.stop()
+    # AsyncResults of this module's tests are collected now, while the result backend they
+    # would unsubscribe from is still up (not at some later module's collection).
+    gc.collect()
 
 
 def submit_concurrently(fn: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:

@@ -46,9 +46,9 @@ __all__ = [
 ]
 
 JAR = Path("/usr/share/java/zookeeper.jar")
-#: Queued locks (``lock_on="enqueue"``, a retry handing its key over) on ZooKeeper are being
-#: built; until this is True the behaviour tests that need them skip on ZooKeeper.
-QUEUED_LOCKS = False
+#: Queued locks (``lock_on="enqueue"``, a retry handing its key over) on ZooKeeper: the
+#: behaviour tests marked ``queued_locks`` run there (False would skip them there).
+QUEUED_LOCKS = True
 QUEUED_REASON = "queued locks on ZooKeeper not yet built"
 #: Where the behaviour tests' locks live on the shared test server (wiped before each test).
 CHROOT = "/celery-dlock-test"
