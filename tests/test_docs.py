@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from celery_dlock.testing import terminate
+from celery_dlock.zookeeper import close_all as zk_close_all
 from tests.clients import client
 from tests.zookeeper import skip_reason as zk_skip_reason
 from tests.zookeeper import standalone
@@ -95,6 +96,7 @@ def zk_docs_hosts() -> Iterator[str]:
         pytest.skip(reason)
     with standalone() as server:
         yield server.hosts
+        zk_close_all()  # before the server stops: no client left retrying a dead server
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
