@@ -8,11 +8,13 @@ import gc
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from celery_dlock import registry
 from tests.clients import client
 from tests.workers import Journal, Worker, use_lock_urls
 
@@ -146,3 +148,16 @@ def submit_concurrently(fn: Any, calls: list[tuple[tuple[Any, ...], dict[str, An
     for thread in threads:
         thread.join(timeout=30)
     return results
+
+
+@contextmanager
+def node_timeout(app: Any, seconds: float) -> Iterator[None]:
+    """``dlock_node_timeout`` of ``app`` in this process set to ``seconds`` meanwhile."""
+    before = app.conf.dlock_node_timeout
+    app.conf.dlock_node_timeout = seconds
+    registry.forget(app)
+    try:
+        yield
+    finally:
+        app.conf.dlock_node_timeout = before
+        registry.forget(app)

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
 from celery import VERSION, states
 from redis.exceptions import RedisError
 
-from celery_dlock import registry
 from celery_dlock.redis.nodes import connect, is_connected
-from tests.celery_fixtures import Mode, submit_concurrently
+from tests.celery_fixtures import Mode, node_timeout, submit_concurrently
 from tests.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = pytest.mark.slow
@@ -181,19 +178,6 @@ def test_deleting_the_key_stops_the_body_with_lock_lost(
 
 
 # -- enqueue-time mode -------------------------------------------------------------------------
-
-
-@contextmanager
-def node_timeout(app: Any, seconds: float) -> Iterator[None]:
-    """``dlock_node_timeout`` of ``app`` in this process set to ``seconds`` meanwhile."""
-    before = app.conf.dlock_node_timeout
-    app.conf.dlock_node_timeout = seconds
-    registry.forget(app)
-    try:
-        yield
-    finally:
-        app.conf.dlock_node_timeout = before
-        registry.forget(app)
 
 
 def publish_together(task: Any, args: tuple[Any, ...], n: int) -> list[Any]:
