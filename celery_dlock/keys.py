@@ -91,10 +91,25 @@ def _canonical(value: Any, where: str, fix: str = UNKEYABLE_FIX) -> Any:
 
 #: One encoder for every key: ``json.dumps`` with non-default options builds a new one per call.
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+#: Its C core, made once (``JSONEncoder.encode`` makes one per call). No circular-reference
+#: markers: what it encodes comes from :func:`_canonical`, which builds new, acyclic values.
+_c_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed
+_C_ENCODE: Any = (
+    None
+    if _c_make_encoder is None
+    else _c_make_encoder(
+        None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", True, False, True
+    )
+)
+#: Argument values written into a key as they are (exact types: a subclass goes through
+#: :func:`_canonical`, as does a float, which may be infinite or NaN).
+_PLAIN = frozenset({str, int, bool, type(None)})
 
 
 def _dumps(value: Any) -> str:
-    return _ENCODER.encode(value)
+    if _C_ENCODE is None:
+        return _ENCODER.encode(value)
+    return "".join(_C_ENCODE(value, 0))
 
 
 def shorten(key: str) -> str:
@@ -322,7 +337,9 @@ class KeyBuilder:
 
     def _named(self, arguments: Mapping[str, Any]) -> str:
         canonical = {
-            name: _canonical(value, f"argument {name!r} of task {self.task_name!r}", self.fix)
+            name: value
+            if type(value) in _PLAIN
+            else _canonical(value, f"argument {name!r} of task {self.task_name!r}", self.fix)
             for name, value in arguments.items()
         }
         return shorten(f"{self.task_name}:{_dumps(canonical)}")
