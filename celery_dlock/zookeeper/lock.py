@@ -1209,26 +1209,45 @@ class ZooKeeperBackend:
         parent, name = lease.path.rsplit("/", 1)
         parsed = parse_name(name)
         order = parsed.order if parsed is not None else int(name[-SEQ_DIGITS:])
-        transaction = client.transaction()
-        transaction.create(
-            f"{parent}/{node_prefix(nonce, timed=True, task=queued_for, order=order)}",
-            data,
-            acl=session.acl,
-            sequence=True,
-        )
-        transaction.set_data(lease.path, b"")  # the waiter behind sees a change: it lists again
-        transaction.delete(lease.path)
-        transaction.set_data(parent, b"")  # the key has had a replacement (module docstring)
-        try:
-            results = transaction.commit_async().get(timeout=session.op_timeout)
-        except ConnectionLoss:
+        deadline = time.monotonic() + session.op_timeout
+
+        def applied() -> tuple[str, ZnodeStat] | None:
             found = self._find(client, session, parent, nonce, replacement=True)
-            if found is None or found[0] == lease.path:
-                return None
-            return found
-        if _failed(results) is not None:
-            return None
-        return results[0], results[1]
+            return None if found is None or found[0] == lease.path else found
+
+        while True:
+            transaction = client.transaction()
+            transaction.create(
+                f"{parent}/{node_prefix(nonce, timed=True, task=queued_for, order=order)}",
+                data,
+                acl=session.acl,
+                sequence=True,
+            )
+            # The waiter behind sees a change: it lists again.
+            transaction.set_data(lease.path, b"")
+            transaction.delete(lease.path)
+            transaction.set_data(parent, b"")  # the key has had a replacement (module docstring)
+            try:
+                left = max(0.001, deadline - time.monotonic())
+                results = transaction.commit_async().get(timeout=left)
+            except ConnectionLoss:
+                found = applied()
+                if found is not None:
+                    return found
+                # Not applied (the request went down with the connection): send it again
+                # while the replaced node is there. At most one of the two can apply, since
+                # each deletes that node; a node left as it is would be held by this
+                # process's session for as long as the process runs.
+                if session.call(partial(client.exists_async, lease.path)) is None:
+                    return applied()
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            if _failed(results) is not None:
+                # The replaced node is gone: deleted, or replaced by an earlier copy of this
+                # very transaction that did apply after all.
+                return applied()
+            return results[0], results[1]
 
     def forget(self, lease: Lease) -> None:
         """Stop tracking ``lease`` without releasing it: its key lives out its ttl even if this
@@ -1315,12 +1334,16 @@ class ZooKeeperBackend:
                 replaced = self._replace(lease, nonce, data, queued_for=lease.holder)
             except UNREACHABLE as exc:
                 log.warning(
-                    "key=%s token=%s: hand-over to the retry of %s not confirmed (%s)",
+                    "key=%s token=%s: hand-over to the retry of %s not confirmed (%s); the "
+                    "key is freed instead",
                     lease.key,
                     lease.token,
                     lease.holder,
                     exc,
                 )
+                # The retry goes out without the key: free it (the session node, or nothing
+                # if the hand-over applied after all) rather than hold it while we run.
+                reaper.add(time.monotonic(), partial(self._reap_at_expiry, lease.path, ttl))
                 return None
         if replaced is None:
             return None
