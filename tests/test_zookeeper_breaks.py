@@ -6,6 +6,7 @@ Each test states a promise of docs/zookeeper.md and drives a real ZooKeeper serv
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from tests.zookeeper import FaultProxy, ZkServer, skip_reason, standalone
+from tests.zookeeper import FaultProxy, ZkServer, four_letter, skip_reason, standalone
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -78,3 +79,54 @@ def test_a_forgotten_tick_key_whose_transaction_was_dropped_ends_at_its_ttl(
     faulty.forget(lease)
     assert proxy.swallowed.is_set()
     until(lambda: observer.holder("tick") is None, 10, "the tick key to end at its ttl")
+
+
+def test_a_release_whose_delete_was_dropped_frees_the_key_once_reconnected(
+    zk: ZkServer, proxy: FaultProxy
+) -> None:
+    """The connection closes as a release's delete is sent: the key must be free once the
+    same session is back, each of many times (the delete is owed and paid on reconnection)."""
+    faulty, observer = _backends(zk, proxy)
+    for round_ in range(15):
+        lease = faulty.acquire("rel")
+        proxy.swallow()
+        lease.release()
+        until(proxy.swallowed.is_set, 5, "the delete dropped")
+        until(lambda: observer.holder("rel") is None, 5, f"the key free (round {round_})")
+
+
+def _total_watches(zk: ZkServer) -> int:
+    """The watches the server holds for all sessions (its ``wchs`` four-letter word)."""
+    for line in four_letter(zk.client_port, "wchs").splitlines():
+        if line.startswith("Total watches:"):
+            return int(line.split(":", 1)[1])
+    raise AssertionError("wchs gave no total")
+
+
+def test_contended_cycles_leave_no_watches_behind(zk: ZkServer) -> None:
+    """Two clients taking one key in turn, 200 times each: no watch may outlive its node.
+
+    A watch set by ``exists`` on a node already gone waits for that name to be created, which
+    a sequential name never is: the client keeps its callback and the servers the watch, for
+    as long as the session lasts (a worker's lifetime), and every reconnection sends them all
+    again."""
+    chroot = f"w-{uuid.uuid4().hex[:8]}"
+    one = ZooKeeperBackend(f"zookeeper://{zk.hosts}/{chroot}?timeout=5")
+    two = ZooKeeperBackend(f"zookeeper://{zk.hosts}/{chroot}?timeout=5.5")
+    before = _total_watches(zk)
+
+    def cycles(backend: ZooKeeperBackend) -> None:
+        for _ in range(200):
+            backend.acquire("w", wait=30).release()
+
+    other = threading.Thread(target=cycles, args=(two,))
+    other.start()
+    cycles(one)
+    other.join(60)
+    assert not two.queue("w")
+    # Each process may keep a watch or two (the last listing's), not one per cycle.
+    until(lambda: _total_watches(zk) - before <= 4, 5, "the watches of deleted nodes to go")
+    for backend in (one, two):
+        left = [p for p in backend.shared.client._data_watchers if "/w/" in p]
+        assert len(left) <= 2, f"{len(left)} data watchers left on deleted nodes"
+    close_all()
