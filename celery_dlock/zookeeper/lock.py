@@ -257,9 +257,9 @@ class _Guard:
 
     The listing sent with the create carries a watch on the key's children (free: it rides on
     a request we send anyway). Until some child changes, our node is certainly still there.
-    At the first change (a waiter queued, a node deleted) the guard sends one ``exists`` with
+    At the first change (a waiter queued, a node deleted) the guard sends one ``get`` with
     a watch on our own node, which from then on reports its deletion (an operator's release)
-    as the lease's loss. A waiter sends that ``exists`` together with the watch on its
+    as the lease's loss. A waiter sends that ``get`` together with the watch on its
     predecessor, while it waits, so nothing is left to send once it is admitted. So an
     uncontended cycle costs three requests (create, list, delete), as kazoo's own Lock does,
     and the first two share one round trip.
@@ -313,7 +313,10 @@ class _Guard:
             self._armed = True
             path = self.path
         # Sent without waiting (this may run on kazoo's callback thread, which must not block).
-        self._client.exists_async(path, watch=self._on_event).rawlink(self._on_reply)
+        # A data watch (``get``), not ``exists``: an ``exists`` on a node already gone would
+        # leave a watch for the creation of a name no sequential node ever takes again, kept by
+        # the client and the servers for the rest of the session.
+        self._client.get_async(path, watch=self._on_event).rawlink(self._on_reply)
 
     def _on_event(self, event: WatchedEvent) -> None:
         with self._lock:
@@ -325,11 +328,11 @@ class _Guard:
 
     def _on_reply(self, result: Any) -> None:
         try:
-            exists = result.get() is not None
+            result.get()
+        except NoNodeError:
+            self._gone()
         except KAZOO_ERRORS:
             return  # session trouble: the session listener reports it
-        if not exists:
-            self._gone()
 
     def _gone(self) -> None:
         with self._lock:
@@ -969,8 +972,9 @@ class ZooKeeperBackend:
                     # earlier on this clock, so we wake late rather than early.
                     wake_at = now_at + left_ms / 1000.0
             else:
-                exists = partial(client.exists_async, pred_path, watch=wake)
-                watching = session.call(exists) is not None
+                # A data watch (``get``): ``exists`` on a predecessor already gone would leave
+                # a watch that never fires (see _Guard.watch_own), one per such race.
+                watching = self._read(client, session, pred_path, watch=wake) is not None
             proven = asked
             if watching:
                 limits = [t for t in (deadline, wake_at) if t is not None]
