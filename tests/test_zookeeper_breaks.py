@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from celery_dlock.errors import LockUnavailable
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from tests.zookeeper import FaultProxy, ZkServer, four_letter, skip_reason, standalone
 
@@ -129,4 +130,22 @@ def test_contended_cycles_leave_no_watches_behind(zk: ZkServer) -> None:
     for backend in (one, two):
         left = [p for p in backend.shared.client._data_watchers if "/w/" in p]
         assert len(left) <= 2, f"{len(left)} data watchers left on deleted nodes"
+    close_all()
+
+
+def test_nodes_of_another_zookeeper_user_are_refused_naming_the_fix(zk: ZkServer) -> None:
+    """A chroot whose nodes another digest user made (their ACL lets only that user in): the
+    error names the URL, says what is wrong and how to fix it, and never shows a password."""
+    chroot = f"a-{uuid.uuid4().hex[:8]}"
+    alice = ZooKeeperBackend(f"zookeeper://alice:s3cret@{zk.hosts}/{chroot}?timeout=5")
+    alice.acquire("k").release()
+    for who in ("bob:other@", ""):
+        stranger = ZooKeeperBackend(f"zookeeper://{who}{zk.hosts}/{chroot}?timeout=5.5")
+        for call in (lambda: stranger.acquire("k"), lambda: stranger.locks()):
+            with pytest.raises(LockUnavailable) as caught:
+                call()
+            message = str(caught.value)
+            assert "ACL" in message, message
+            assert "user:password@" in message, message
+            assert "other" not in message and "s3cret" not in message, message
     close_all()
