@@ -130,7 +130,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NodeExistsError, NoNodeError
 from kazoo.protocol.serialization import Create2
 from kazoo.protocol.states import EventType, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
@@ -539,6 +539,15 @@ class ZooKeeperBackend:
 
     def _unavailable(self, key: str, doing: str, exc: BaseException) -> LockUnavailable:
         detail = str(exc) or type(exc).__name__
+        if isinstance(exc, NoAuthError):
+            # Nodes made with digest credentials carry an ACL for that user alone.
+            user = self.url.user
+            who = f"user {user!r}" if user is not None else "a client without credentials"
+            detail = (
+                f"{detail}: the ACL of the nodes under {self.base} does not let {who} in "
+                "(another ZooKeeper user made them); put that user's credentials in the URL "
+                "(zookeeper://user:password@hosts/chroot), or use another chroot"
+            )
         return LockUnavailable(
             f"cannot {doing} {key!r} on ZooKeeper {self.url.shown}: {detail}",
             key=key,
