@@ -130,7 +130,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote, unquote
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import ConnectionLoss, NodeExistsError, NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoAuthError, NodeExistsError, NoNodeError
 from kazoo.protocol.serialization import Create2
 from kazoo.protocol.states import EventType, WatchedEvent, ZnodeStat
 from kazoo.security import OPEN_ACL_UNSAFE
@@ -257,9 +257,9 @@ class _Guard:
 
     The listing sent with the create carries a watch on the key's children (free: it rides on
     a request we send anyway). Until some child changes, our node is certainly still there.
-    At the first change (a waiter queued, a node deleted) the guard sends one ``exists`` with
+    At the first change (a waiter queued, a node deleted) the guard sends one ``get`` with
     a watch on our own node, which from then on reports its deletion (an operator's release)
-    as the lease's loss. A waiter sends that ``exists`` together with the watch on its
+    as the lease's loss. A waiter sends that ``get`` together with the watch on its
     predecessor, while it waits, so nothing is left to send once it is admitted. So an
     uncontended cycle costs three requests (create, list, delete), as kazoo's own Lock does,
     and the first two share one round trip.
@@ -313,7 +313,10 @@ class _Guard:
             self._armed = True
             path = self.path
         # Sent without waiting (this may run on kazoo's callback thread, which must not block).
-        self._client.exists_async(path, watch=self._on_event).rawlink(self._on_reply)
+        # A data watch (``get``), not ``exists``: an ``exists`` on a node already gone would
+        # leave a watch for the creation of a name no sequential node ever takes again, kept by
+        # the client and the servers for the rest of the session.
+        self._client.get_async(path, watch=self._on_event).rawlink(self._on_reply)
 
     def _on_event(self, event: WatchedEvent) -> None:
         with self._lock:
@@ -325,11 +328,11 @@ class _Guard:
 
     def _on_reply(self, result: Any) -> None:
         try:
-            exists = result.get() is not None
+            result.get()
+        except NoNodeError:
+            self._gone()
         except KAZOO_ERRORS:
             return  # session trouble: the session listener reports it
-        if not exists:
-            self._gone()
 
     def _gone(self) -> None:
         with self._lock:
@@ -536,6 +539,15 @@ class ZooKeeperBackend:
 
     def _unavailable(self, key: str, doing: str, exc: BaseException) -> LockUnavailable:
         detail = str(exc) or type(exc).__name__
+        if isinstance(exc, NoAuthError):
+            # Nodes made with digest credentials carry an ACL for that user alone.
+            user = self.url.user
+            who = f"user {user!r}" if user is not None else "a client without credentials"
+            detail = (
+                f"{detail}: the ACL of the nodes under {self.base} does not let {who} in "
+                "(another ZooKeeper user made them); put that user's credentials in the URL "
+                "(zookeeper://user:password@hosts/chroot), or use another chroot"
+            )
         return LockUnavailable(
             f"cannot {doing} {key!r} on ZooKeeper {self.url.shown}: {detail}",
             key=key,
@@ -969,8 +981,9 @@ class ZooKeeperBackend:
                     # earlier on this clock, so we wake late rather than early.
                     wake_at = now_at + left_ms / 1000.0
             else:
-                exists = partial(client.exists_async, pred_path, watch=wake)
-                watching = session.call(exists) is not None
+                # A data watch (``get``): ``exists`` on a predecessor already gone would leave
+                # a watch that never fires (see _Guard.watch_own), one per such race.
+                watching = self._read(client, session, pred_path, watch=wake) is not None
             proven = asked
             if watching:
                 limits = [t for t in (deadline, wake_at) if t is not None]
@@ -1209,26 +1222,45 @@ class ZooKeeperBackend:
         parent, name = lease.path.rsplit("/", 1)
         parsed = parse_name(name)
         order = parsed.order if parsed is not None else int(name[-SEQ_DIGITS:])
-        transaction = client.transaction()
-        transaction.create(
-            f"{parent}/{node_prefix(nonce, timed=True, task=queued_for, order=order)}",
-            data,
-            acl=session.acl,
-            sequence=True,
-        )
-        transaction.set_data(lease.path, b"")  # the waiter behind sees a change: it lists again
-        transaction.delete(lease.path)
-        transaction.set_data(parent, b"")  # the key has had a replacement (module docstring)
-        try:
-            results = transaction.commit_async().get(timeout=session.op_timeout)
-        except ConnectionLoss:
+        deadline = time.monotonic() + session.op_timeout
+
+        def applied() -> tuple[str, ZnodeStat] | None:
             found = self._find(client, session, parent, nonce, replacement=True)
-            if found is None or found[0] == lease.path:
-                return None
-            return found
-        if _failed(results) is not None:
-            return None
-        return results[0], results[1]
+            return None if found is None or found[0] == lease.path else found
+
+        while True:
+            transaction = client.transaction()
+            transaction.create(
+                f"{parent}/{node_prefix(nonce, timed=True, task=queued_for, order=order)}",
+                data,
+                acl=session.acl,
+                sequence=True,
+            )
+            # The waiter behind sees a change: it lists again.
+            transaction.set_data(lease.path, b"")
+            transaction.delete(lease.path)
+            transaction.set_data(parent, b"")  # the key has had a replacement (module docstring)
+            try:
+                left = max(0.001, deadline - time.monotonic())
+                results = transaction.commit_async().get(timeout=left)
+            except ConnectionLoss:
+                found = applied()
+                if found is not None:
+                    return found
+                # Not applied (the request went down with the connection): send it again
+                # while the replaced node is there. At most one of the two can apply, since
+                # each deletes that node; a node left as it is would be held by this
+                # process's session for as long as the process runs.
+                if session.call(partial(client.exists_async, lease.path)) is None:
+                    return applied()
+                if time.monotonic() >= deadline:
+                    raise
+                continue
+            if _failed(results) is not None:
+                # The replaced node is gone: deleted, or replaced by an earlier copy of this
+                # very transaction that did apply after all.
+                return applied()
+            return results[0], results[1]
 
     def forget(self, lease: Lease) -> None:
         """Stop tracking ``lease`` without releasing it: its key lives out its ttl even if this
@@ -1315,12 +1347,16 @@ class ZooKeeperBackend:
                 replaced = self._replace(lease, nonce, data, queued_for=lease.holder)
             except UNREACHABLE as exc:
                 log.warning(
-                    "key=%s token=%s: hand-over to the retry of %s not confirmed (%s)",
+                    "key=%s token=%s: hand-over to the retry of %s not confirmed (%s); the "
+                    "key is freed instead",
                     lease.key,
                     lease.token,
                     lease.holder,
                     exc,
                 )
+                # The retry goes out without the key: free it (the session node, or nothing
+                # if the hand-over applied after all) rather than hold it while we run.
+                reaper.add(time.monotonic(), partial(self._reap_at_expiry, lease.path, ttl))
                 return None
         if replaced is None:
             return None
