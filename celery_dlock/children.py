@@ -21,6 +21,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from celery_dlock.backend import Backend
     from celery_dlock.holder import Holder
 
@@ -56,15 +58,23 @@ def state(pid: int) -> State:
     return State.RUNNING if found is None else State.EXITED
 
 
-def release_when_ended(backend: Backend, key: str, holder: Holder, what: str) -> bool:
+def release_when_ended(
+    backend: Backend,
+    key: str,
+    holder: Holder,
+    what: str,
+    still_there: Callable[[Backend, str, str], bool] | None = None,
+) -> bool:
     """Free ``key`` from the acquisition ``holder`` once its process (a child of this one)
     has ended; in a thread, so the worker's event loop goes on. False (nothing started) when
-    ``holder.pid`` is not a child of this process, which then has nothing to say about it."""
+    ``holder.pid`` is not a child of this process, which then has nothing to say about it.
+    ``still_there(backend, key, nonce)`` says whether the acquisition is still on the key
+    (default: it holds it); the watch ends early once it is not."""
     if state(holder.pid) is State.NOT_MINE:
         return False
     thread = threading.Thread(
         target=_watch,
-        args=(backend, key, holder, what),
+        args=(backend, key, holder, what, still_there or _holds),
         name=f"dlock-ended-{holder.pid}",
         daemon=True,
     )
@@ -72,16 +82,27 @@ def release_when_ended(backend: Backend, key: str, holder: Holder, what: str) ->
     return True
 
 
-def _watch(backend: Backend, key: str, holder: Holder, what: str) -> None:
+def _holds(backend: Backend, key: str, nonce: str) -> bool:
+    current = backend.holder(key)
+    return current is not None and current.nonce == nonce
+
+
+def _watch(
+    backend: Backend,
+    key: str,
+    holder: Holder,
+    what: str,
+    still_there: Callable[[Backend, str, str], bool],
+) -> None:
     recheck = time.monotonic() + RECHECK
     while state(holder.pid) is State.RUNNING:
         if time.monotonic() >= recheck:
             recheck = time.monotonic() + RECHECK
             try:
-                current = backend.holder(key)
+                there = still_there(backend, key, holder.nonce)
             except Exception:  # the store is unreachable: cannot tell, keep watching
                 continue
-            if current is None or current.nonce != holder.nonce:
+            if not there:
                 log.info("%s: its process %d released %r itself", what, holder.pid, key)
                 return
         time.sleep(POLL)

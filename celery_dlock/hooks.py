@@ -61,7 +61,9 @@ def release_revoked(
         manager = sender._dlock().manager
         what = f"terminated task {sender.name}[{request.id}]"
         if terminated:
-            _release_when_ended(manager, sender._execution_key(key, None), request.id, what)
+            execution_key = sender._execution_key(key, None)
+            _release_when_ended(manager, execution_key, request.id, what)
+            _withdraw_when_ended(manager, execution_key, request.id, what)
         queued = getattr(request, HEADER_QUEUED, None)
         if isinstance(queued, str) and manager.release_nonce(key, queued):
             # Messages of older versions carry 1, not a nonce: their queued lock expires.
@@ -82,6 +84,22 @@ def _release_when_ended(manager: Any, key: str, task_id: str, what: str) -> None
         return  # not held by an execution of this task on this host: not ours to release
     if not children.release_when_ended(manager, key, holder, what):
         log.info("%s: %r is held by pid %d, not a process of this worker", what, key, holder.pid)
+
+
+def _withdraw_when_ended(manager: Any, key: str, task_id: str, what: str) -> None:
+    """Take ``task_id``'s place in line for ``key`` away once its process ended, on a backend
+    whose waiters have places (ZooKeeper: a killed waiter's node would otherwise hold up every
+    waiter behind it until its session expires; a Redis waiter leaves nothing behind)."""
+    queue = getattr(manager, "queue", None)
+    if queue is None:
+        return
+    for waiter in queue(key)[1:]:
+        if waiter.task_id == task_id and not waiter.queued and waiter.host == socket.gethostname():
+            children.release_when_ended(manager, key, waiter, what, still_there=_in_line)
+
+
+def _in_line(manager: Any, key: str, nonce: str) -> bool:
+    return any(h.nonce == nonce for h in manager.queue(key))
 
 
 @before_task_publish.connect

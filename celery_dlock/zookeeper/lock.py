@@ -1474,8 +1474,23 @@ class ZooKeeperBackend:
         return released
 
     def release_nonce(self, key: str, nonce: str) -> bool:
-        """Delete ``key``'s node if the acquisition with ``nonce`` holds it."""
-        return self._delete_if(check_key(key), lambda name, h: name.nonce == nonce)
+        """Delete the node of the acquisition with ``nonce`` on ``key``: the holder's, or a
+        waiter's (its process ended, and its place in line would hold up those behind it
+        until its session expired)."""
+        key = check_key(key)
+        if self._delete_if(key, lambda name, h: name.nonce == nonce):
+            return True
+        client, session, parent, children = self._nodes(key)
+        for child in children[1:]:
+            if child.nonce == nonce:
+                try:
+                    client.delete_async(f"{parent}/{child.name}").get(timeout=session.op_timeout)
+                except NoNodeError:
+                    return False
+                except KAZOO_ERRORS as exc:
+                    raise self._unavailable(key, "release", exc) from exc
+                return True
+        return False
 
     def release_by_task(self, key: str, task_id: str) -> bool:
         """Delete ``key``'s node if task ``task_id`` holds it, whichever acquisition."""
