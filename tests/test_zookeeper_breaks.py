@@ -151,3 +151,20 @@ def test_nodes_of_another_zookeeper_user_are_refused_naming_the_fix(zk: ZkServer
             assert "pw-b0b" not in message, message
             assert "s3cret" not in message, message
     close_all()
+
+
+def test_a_delete_owed_while_connected_is_paid_at_once(zk: ZkServer) -> None:
+    # A release whose delete failed is owed, and owed deletes were paid only when the
+    # connection came back; one owed after the reconnection (the releasing thread was late)
+    # waited for the next reconnection, the key held meanwhile.
+    url = f"zookeeper://{zk.hosts}/owed-{uuid.uuid4().hex[:8]}?timeout=4"
+    try:
+        backend = ZooKeeperBackend(url)
+        lease = backend.acquire("k")
+        session = backend.shared
+        session.owe(lease.path)  # as a release whose reply was lost while connected would
+        until(lambda: backend.holder("k") is None, 5, "the owed delete to be paid")
+        assert session.owed == set()
+        lease.release()  # its node is gone already: nothing more to do
+    finally:
+        close_all()

@@ -1094,8 +1094,7 @@ class ZooKeeperBackend:
         except NoNodeError:
             pass
         except KAZOO_ERRORS:
-            with session.lock:
-                session.owed.add(f"{parent}/{name}")
+            session.owe(f"{parent}/{name}")
         who = holder.describe() if holder else "another contender"
         refusal = LockContended(f"lock {key!r} is held by {who}", key=key, holder=holder)
         if vanished:
@@ -1110,8 +1109,7 @@ class ZooKeeperBackend:
         except NoNodeError:
             pass
         except KAZOO_ERRORS:
-            with session.lock:
-                session.owed.add(path)
+            session.owe(path)
 
     # -- end a lease -----------------------------------------------------------------------
 
@@ -1141,8 +1139,7 @@ class ZooKeeperBackend:
                 confirmed = False
             except UNREACHABLE as exc:
                 confirmed = False
-                with session.lock:
-                    session.owed.add(lease.path)
+                session.owe(lease.path)
                 log.warning(
                     "release of key=%s token=%s not confirmed (%s); retried when the "
                     "connection is back",
@@ -1168,8 +1165,7 @@ class ZooKeeperBackend:
             except NoNodeError:
                 pass
             except KAZOO_ERRORS:
-                with session.lock:
-                    session.owed.add(path)
+                session.owe(path)
 
         return check
 

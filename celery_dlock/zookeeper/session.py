@@ -290,6 +290,15 @@ class SharedClient:
                         target=self._pay_owed, name="dlock-zk-release", daemon=True
                     ).start()
 
+    def owe(self, path: str) -> None:
+        """Remember that the node at ``path`` must still be deleted (a delete that failed or
+        went unanswered), and pay at once if connected: the reconnection that would pay it
+        may have come before this call."""
+        with self.lock:
+            self.owed.add(path)
+        if self.client.state == KazooState.CONNECTED:
+            threading.Thread(target=self._pay_owed, name="dlock-zk-release", daemon=True).start()
+
     def _pay_owed(self) -> None:
         """Delete the nodes whose release did not get through, now that we are back."""
         with self.lock:
