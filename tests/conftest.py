@@ -9,6 +9,7 @@ those databases between tests.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -160,6 +161,17 @@ def server() -> Iterator[RedisServer]:
 def _close_clients() -> Iterator[None]:
     yield
     close_all()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_zookeeper_clients() -> Iterator[None]:
+    """Close this process's ZooKeeper clients after each module: a connected kazoo client
+    draws from the global ``random`` on every loop of its connection thread, which makes
+    hypothesis (tests/test_wire_keys.py) report flaky data generation in a later module."""
+    yield
+    zookeeper = sys.modules.get("celery_dlock.zookeeper")
+    if zookeeper is not None:
+        zookeeper.close_all()
 
 
 @pytest.fixture(autouse=True)

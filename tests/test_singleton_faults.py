@@ -150,6 +150,9 @@ def test_other_pools(wa: Any, journal: Journal, spawn: Any, mode: Mode, pool: st
     # duplicates dropped (solo runs one task at a time, so send the holder first)
     holder = wa.drop_task.apply_async((f"{pool}-storm", 1.0), queue=queue)
     if pool == "threads":
+        # Four threads take messages at once: the holder must hold before its duplicates go
+        # out, or one of them may acquire first (on ZooKeeper a thread's first request is slow).
+        journal.wait_for("start", id=holder.id)
         dups = submit_concurrently(
             lambda: wa.drop_task.apply_async((f"{pool}-storm", 1.0), queue=queue), [((), {})] * 8
         )
