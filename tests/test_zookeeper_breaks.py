@@ -7,28 +7,18 @@ Each test states a promise of docs/zookeeper.md and drives a real ZooKeeper serv
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 
 import pytest
 
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from tests.zookeeper import FaultProxy, ZkServer, four_letter, skip_reason, standalone
+from tests.zookeeper import FaultProxy, ZkServer, four_letter, skip_reason, standalone, until
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-
-
-def until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``check`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)  # a poll, bounded by the deadline
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,19 +27,10 @@ from celery_dlock.errors import ConfigError, LockContended, LockLost
 from celery_dlock.lease import Lease
 from celery_dlock.zookeeper import ZkLease, ZooKeeperBackend, close_all, parse
 from celery_dlock.zookeeper.session import shared
-from tests.zookeeper import Ensemble, FaultProxy, ZkServer, ensemble, skip_reason, standalone
+from tests.zookeeper import Ensemble, FaultProxy, ZkServer, ensemble, skip_reason, standalone, until
 
 REASON = skip_reason()
 needs_zk = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-
-
-def until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``check`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)  # a poll, bounded by the deadline
 
 
 def queued(backend: ZooKeeperBackend, key: str, n: int) -> bool:

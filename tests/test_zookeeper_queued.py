@@ -29,20 +29,11 @@ from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from celery_dlock.zookeeper.nodes import parse_name
 from tests.celery_fixtures import make_mode, submit_concurrently
 from tests.workers import Journal, Worker, use_lock_urls
-from tests.zookeeper import ZkServer, ensemble, skip_reason, standalone
+from tests.zookeeper import ZkServer, ensemble, skip_reason, standalone, until
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``check`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)  # a poll, bounded by the deadline
 
 
 @pytest.fixture(scope="module")

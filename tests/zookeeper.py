@@ -24,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.proxy import FaultProxy
@@ -42,6 +42,7 @@ __all__ = [
     "four_letter",
     "skip_reason",
     "standalone",
+    "until",
     "wipe",
 ]
 
@@ -351,3 +352,12 @@ if __name__ == "__main__":  # python -m tests.zookeeper: time a start of each
     with ensemble() as three:
         print(f"3-node ensemble serving in {time.monotonic() - t0:.2f} s ({three.hosts})")
         print("leader:", three.leader().myid)
+
+
+def until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)  # a poll, bounded by the deadline
