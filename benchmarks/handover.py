@@ -10,6 +10,11 @@ Variants, each with its own key, on throwaway redis-servers (one, and five for R
 
 * ``blpop-floor``  no lock at all: the holder RPUSHes, the waiter's BLPOP returns; the floor
   for any lock whose waiters are woken through BLPOP, on this machine and in this protocol,
+* ``wake-acquire-floor``  the least a *correct* BLPOP-woken lock pays: the holder's release is one
+  script (compare-and-delete its key, push a wake-up), the woken waiter then confirms with one
+  ``SET NX PX`` round trip; the lock takes its lease from that reply, so its validity counts
+  from a request it sent (a lease granted inside the holder's release would start at a time
+  the waiter cannot bound from its own clock),
 * ``ours-1``  ``manager.acquire(key, ttl=10, wait=10)`` on one Redis (waiters block on BLPOP),
 * ``ours-5``  the same on five Redis masters (Redlock),
 * ``redis-py``  redis-py ``Lock(timeout=10)``, blocking ``acquire()``: polls every 0.1 s (default),
@@ -61,7 +66,14 @@ HOLDER = "bench-holder"
 #: Longest a step may take before the benchmark gives up (a stuck waiter, a lost lock).
 STEP_TIMEOUT = 30.0
 
-VARIANTS = ("blpop-floor", "ours-1", "ours-5", "redis-py", "python-redis-lock")
+VARIANTS = (
+    "blpop-floor",
+    "wake-acquire-floor",
+    "ours-1",
+    "ours-5",
+    "redis-py",
+    "python-redis-lock",
+)
 
 Pipe = multiprocessing.connection.Connection
 
@@ -138,10 +150,44 @@ class FloorSide:
             self.client.rpush(self.key, "1")
 
 
+class WakeAcquireSide:
+    """A minimal correct BLPOP-woken lock: ``SET NX PX`` to take, a script to release and wake.
+
+    No fencing, no renewal, no queue: what is left is one wake-up plus the one round trip that
+    gives the waiter a lease it can date. The floor for hand-overs of any lock built that way.
+    """
+
+    RELEASE = (
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]); "
+        "if redis.call('LLEN', KEYS[2]) == 0 then redis.call('RPUSH', KEYS[2], '1') end; "
+        "return 1 end; return 0"
+    )
+
+    def __init__(self, url: str, key: str, name: str) -> None:
+        self.client = redis.Redis.from_url(url, client_name=name)
+        self.key, self.signal = key, f"{key}:signal"
+        self.nonce = f"{name}-{random.getrandbits(64):x}"
+        self.release_script = self.client.register_script(self.RELEASE)
+
+    def acquire(self) -> None:
+        give_up = time.monotonic() + TTL_S
+        while not self.client.set(self.key, self.nonce, nx=True, px=TTL_S * 1000):
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise RuntimeError("wake-acquire-floor: not acquired within the ttl")
+            self.client.blpop([self.signal], max(1, int(left)))
+
+    def release(self) -> None:
+        if not self.release_script(keys=[self.key, self.signal], args=[self.nonce]):
+            raise RuntimeError("wake-acquire-floor: released a key it did not hold")
+
+
 def make_side(variant: str, single: str, five: Sequence[str], name: str) -> Side:
     key = f"bench:handover:{variant}"
     if variant == "blpop-floor":
         return FloorSide(single, key, name)
+    if variant == "wake-acquire-floor":
+        return WakeAcquireSide(single, key, name)
     if variant == "ours-1":
         return OursSide([single], key, name)
     if variant == "ours-5":
@@ -205,6 +251,8 @@ class Run:
     waiting: Callable[[], bool]
     worker: multiprocessing.process.BaseProcess | threading.Thread
     latencies: list[float] = field(default_factory=list)
+    #: The latencies of each interleaved round, for per-round medians and paired ratios.
+    rounds: list[list[float]] = field(default_factory=list)
     time_to_wait: list[float] = field(default_factory=list)
 
     def handover(self, release_at: str, hold: float, rng: random.Random, record: bool) -> None:
@@ -225,6 +273,7 @@ class Run:
         acquired = receive(self.conn, "acquired")
         if record:
             self.latencies.append(acquired - released)
+            self.rounds[-1].append(acquired - released)
 
     def stop(self) -> None:
         self.conn.send("stop")
@@ -281,6 +330,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     run.handover(args.release_at, args.hold, rng, record=False)
             for r in range(args.rounds):
                 for run in runs if r % 2 == 0 else runs[::-1]:
+                    run.rounds.append([])
                     for _ in range(per_round):
                         run.handover(args.release_at, args.hold, rng, record=True)
         finally:
@@ -306,6 +356,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             run.name: {
                 "handover": summary(run.latencies),
                 "time_to_wait": summary(run.time_to_wait),
+                "round_medians_ms": [
+                    round(statistics.median(r) * 1000.0, 3) for r in run.rounds if r
+                ],
                 "handovers": len(run.latencies),
             }
             for run in runs
@@ -313,6 +366,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "target_median_ms": 0.5,
         "elapsed_s": round(time.monotonic() - started, 1),
     }
+
+
+def paired(mine: Sequence[float], base: Sequence[float]) -> float:
+    """The median of per-round ratios (rounds are interleaved, so each pair shares its moment)."""
+    return statistics.median(a / b for a, b in zip(mine, base, strict=True))
+
+
+def ratios(variants: dict[str, Any]) -> None:
+    """Our rows against the two floors: ratio of the per-round medians' medians, and paired."""
+    floors = [f for f in ("blpop-floor", "wake-acquire-floor") if f in variants]
+    lines = []
+    for name in ("ours-1", "ours-5", "python-redis-lock"):
+        for floor in floors:
+            if name in variants:
+                mine, base = variants[name]["round_medians_ms"], variants[floor]["round_medians_ms"]
+                whole = statistics.median(mine) / statistics.median(base)
+                lines.append(f"  {name}/{floor}: {whole:.3f} (paired {paired(mine, base):.3f})")
+    if lines:
+        print("\nper-round medians, ratio of medians (paired: median of per-round ratios):")
+        print("\n".join(lines))
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -345,6 +418,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"{name:<18} {h['median_ms']:>9.3f} {h['p90_ms']:>8.3f} {h['mean_ms']:>8.3f} "
             f"{h['min_ms']:>7.3f} {h['max_ms']:>8.3f}   {to_wait:>16}{verdict}"
         )
+    ratios(result["variants"])
     print(
         "\n'to wait': from telling the waiter to go until CLIENT LIST shows it waiting "
         "(polled, so a bound from above)"
