@@ -334,6 +334,7 @@ def queue_lock(
         return _pass_to_retry(manager, running, key, ttl)
     first = early.pending if early is not None else None
     splits = 0
+    confirms = 0
     revoked_checked = False
     while True:
         try:
@@ -366,6 +367,31 @@ def queue_lock(
                 revoked_checked = True
                 manager.release_nonce(key, holder.nonce)
                 continue
+            if holder.queued and manager.settle_time and not _settled(manager, holder):
+                # Redlock: the holder's attempt may yet be undone (it missed a reply), and its
+                # task id then never published. Merge only into one confirmed to hold.
+                try:
+                    confirmed = _confirm(task, manager, key, holder)
+                except LockUnavailable as exc:
+                    log.warning(
+                        "task %s[%s] published without its queued lock: %s",
+                        task.name,
+                        task_id,
+                        exc,
+                    )
+                    return Queued(None, None)
+                if not confirmed:
+                    confirms += 1
+                    if confirms < CONFIRM_TRIES:
+                        continue
+                    log.warning(
+                        "task %s[%s] published without its queued lock: the holders of %r "
+                        "kept changing before they settled",
+                        task.name,
+                        task_id,
+                        key,
+                    )
+                    return Queued(None, None)
             return _merged(task, key, task_id, holder)
         manager.forget(queued)
         if early is not None:
@@ -397,6 +423,51 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
         retry_in=None,
     )
     return Queued(None, holder.task_id)
+
+
+def _settled(manager: Backend, holder: Holder) -> bool:
+    """Whether ``holder``'s acquisition is older than its acquirer's time to undo it."""
+    return time.time() - holder.since >= manager.settle_time
+
+
+def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> bool:
+    """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
+
+    Reads ``key`` until the holder settles: True once its task holds the key settled or
+    executing (its message was published), or no longer holds it but ran; False when it let
+    the key go without running (its attempt was undone: look again), or a newer attempt of
+    its task holds it, not settled yet. Raises :class:`LockUnavailable` without a quorum.
+    """
+    # On the holder's wall clock, but never more than settle_time from now (clocks differ).
+    until = min(holder.since, time.time()) + manager.settle_time
+    while True:
+        now = manager.holder(key)
+        if now is None or now.task_id != holder.task_id:
+            return _ran(task, holder.task_id)
+        if not now.queued or (now.nonce == holder.nonce and time.time() >= until):
+            return True
+        if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
+            return False
+        # Still the same queued acquisition, not settled yet: its acquirer may still undo it.
+        time.sleep(max(0.0, min(CONFIRM_POLL, until - time.time())))
+
+
+def _ran(task: Publisher, task_id: str | None) -> bool:
+    """Whether the result backend has heard of ``task_id`` (it was published and ran)."""
+    if task_id is None:
+        return False
+    try:
+        state = str(task.AsyncResult(task_id).state)
+    except Exception:  # no result backend, or it is down: not known to have run
+        return False
+    return state not in (states.PENDING, states.REVOKED)
+
+
+#: Seconds between reads of a queued holder that has not settled (Redlock, :func:`_confirm`).
+CONFIRM_POLL = 0.05
+#: Holders that had not settled and went away (undone) before a duplicate publishes without
+#: its queued lock (each try waits at most ``settle_time``).
+CONFIRM_TRIES = 3
 
 
 #: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
