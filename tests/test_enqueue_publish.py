@@ -188,3 +188,65 @@ def test_a_redlock_duplicate_never_merges_into_an_undone_attempt(
         assert b.id in sent, f"B merged into {b.id}, which was never published"
         for app in (app_a, app_b, app_c):
             app.close()
+
+
+# -- send_task by name with several apps registering the task ---------------------------------
+
+
+@pytest.fixture
+def twin_apps(servers: list[RedisServer]) -> Iterator[list[tuple[Celery, Any]]]:
+    """Two apps in this process, each with its own broker and lock Redis, registering the
+    same enqueue-time task name (as a shared task copied into both would be)."""
+    twins = [
+        publisher(servers[2 + i].url, [servers[i].url], f"twin{i}", task_name="twin.job")
+        for i in range(2)
+    ]
+    for _, job in twins:
+        assert job.name == "twin.job"  # binds the task: each app registers the name
+    yield twins
+    for app, _ in twins:
+        app.close()
+
+
+def test_send_task_by_name_is_locked_with_the_sending_apps_settings(
+    twin_apps: list[tuple[Celery, Any]],
+) -> None:
+    # The receiver used the app that registered the name first, so the second app's
+    # messages took their queued locks on the first app's lock Redis.
+    (first_app, first_job), (second_app, second_job) = twin_apps
+    key = second_job.lock_key_for((5,), {})
+    sent = second_app.send_task("twin.job", (5,))
+    holder = second_job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == sent.id
+    assert first_job._dlock().manager.holder(key) is None
+    again = second_app.send_task("twin.job", (5,))
+    headers = {m["headers"]["id"]: m["headers"] for m in queued_messages(second_app)}
+    assert headers[again.id]["dlock_duplicate_of"] == sent.id
+    # The first app's own sends lock on its own Redis, apart from the second's.
+    mine = first_app.send_task("twin.job", (5,))
+    holder = first_job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == mine.id
+    assert [m["headers"]["id"] for m in queued_messages(first_app)] == [mine.id]
+
+
+def test_send_task_by_name_that_names_no_sending_app_is_not_locked_and_says_why(
+    twin_apps: list[tuple[Celery, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A reply_to of the caller's own hides which app sends: neither app's settings are
+    # guessed; the message goes out without a queued lock, with a warning naming both apps.
+    (first_app, first_job), (second_app, second_job) = twin_apps
+    enqueue._ambiguous_warned.clear()
+    key = second_job.lock_key_for((6,), {})
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        sent = second_app.send_task("twin.job", (6,), reply_to="my-own-queue")
+    assert first_job._dlock().manager.holder(key) is None
+    assert second_job._dlock().manager.holder(key) is None
+    message = queued_messages(second_app)[0]
+    assert message["headers"]["id"] == sent.id
+    assert "dlock_duplicate_of" not in message["headers"]
+    warned = [r.getMessage() for r in caplog.records if "sent by name" in r.getMessage()]
+    assert len(warned) == 1
+    assert repr(first_app) in warned[0]
+    assert repr(second_app) in warned[0]
