@@ -190,6 +190,27 @@ def test_a_redlock_duplicate_never_merges_into_an_undone_attempt(
             app.close()
 
 
+def test_a_redlock_duplicate_waits_only_while_the_holder_may_still_be_undone(
+    single_urls: list[str], redlock_urls: list[str]
+) -> None:
+    # A queued holder younger than settle_time is read again until it settles, then merged;
+    # once it is older, a duplicate merges at once (one acquisition round, no wait).
+    app, job = publisher(single_urls[0], redlock_urls, "settle")
+    app.conf.dlock_node_timeout = 0.2
+    manager = job._dlock().manager
+    assert manager.settle_time == pytest.approx(0.6)
+    first = job.apply_async((2,))
+    assert job.apply_async((2,)).id == first.id
+    holder = manager.holder(job.lock_key_for((2,), {}))
+    assert holder is not None
+    assert time.time() - holder.since >= manager.settle_time  # the duplicate waited for it
+    started = time.monotonic()
+    assert job.apply_async((2,)).id == first.id
+    assert time.monotonic() - started < manager.settle_time / 2
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    app.close()
+
+
 # -- send_task by name with several apps registering the task ---------------------------------
 
 
