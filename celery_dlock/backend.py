@@ -78,6 +78,13 @@ class Backend(LeaseBackend, Protocol):
     #: The ``dlock_*`` settings this backend was made from (ttl, drift factor, timeouts...).
     settings: Settings
 
+    #: Seconds after an acquisition's value was written (:attr:`Holder.since`) during which
+    #: its acquirer may still undo it although others already read it as the holder: Redlock,
+    #: where an attempt that took a majority can miss a reply, see none, and undo. 0 where an
+    #: acquisition others can see is decided (one Redis, ZooKeeper). Enqueue-time duplicates
+    #: merge into a younger queued holder only once it has settled.
+    settle_time: float
+
     # -- acquire -----------------------------------------------------------------------------
 
     def acquire(

@@ -20,7 +20,7 @@ The path of one publish, in the order it runs:
 
 Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
 process that did not import the task) reach step 3 with no early acquisition: the receiver
-finds the task by name (:func:`register_enqueue_task`, :func:`enqueue_app`) and
+finds the task by name in the sending app (:func:`register_enqueue_task`, :func:`enqueue_app`) and
 :func:`lock_unlabelled` takes the queued lock, or marks the message a duplicate in its
 headers, which the worker then drops without running the body.
 
@@ -241,22 +241,59 @@ def _unsubscribe(task: Publisher, task_id: str) -> None:
         log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
 
 
-#: Enqueue-time singleton task name -> the app that registered it first (SingletonTask.bind).
-#: Celery copies a task into every app finalized later ("shared" tasks), each copy with its
-#: app's settings; the receiver cannot see which app publishes, so it uses the first.
-_enqueue_owner: dict[str, weakref.ref[Any]] = {}
+#: Enqueue-time singleton task name -> the apps that registered it (SingletonTask.bind), in
+#: order. Celery copies a shared task into every app finalized later, each copy with its app's
+#: settings: a message sent by name is checked with the sending app's copy.
+_enqueue_owners: dict[str, list[weakref.ref[Any]]] = {}
+#: Task names whose message by name could not be matched to one app (warned once each).
+_ambiguous_warned: set[str] = set()
 
 
 def register_enqueue_task(name: str, app: Any) -> None:
-    owner = _enqueue_owner.get(name)
-    if owner is None or owner() is None:
-        _enqueue_owner[name] = weakref.ref(app)
+    """Note that ``app`` has enqueue-time task ``name`` (its messages sent by name are locked)."""
+    owners = [ref for ref in _enqueue_owners.get(name, ()) if ref() is not None]
+    if not any(ref() is app for ref in owners):
+        owners.append(weakref.ref(app))
+    _enqueue_owners[name] = owners
 
 
-def enqueue_app(name: Any) -> Any:
-    """The app that registered enqueue-time task ``name`` first, or None."""
-    owner = _enqueue_owner.get(name) if isinstance(name, str) else None
-    return owner() if owner is not None else None
+def enqueue_apps(name: Any) -> list[Any]:
+    """The live apps that registered enqueue-time task ``name``, in order."""
+    refs = _enqueue_owners.get(name, ()) if isinstance(name, str) else ()
+    return [app for app in (ref() for ref in refs) if app is not None]
+
+
+def enqueue_app(name: Any, reply_to: Any = None) -> Any:
+    """The app whose enqueue-time task ``name`` checks a message sent by name, or None.
+
+    With one app registering ``name``, that app. With several, the one sending: Celery's
+    ``send_task`` sets the message's ``reply_to`` to the sending app's ``thread_oid`` (per app
+    and thread), unless the caller gave one. When none of them matches, the message cannot be
+    told apart without guessing: None (published without its queued lock), with a warning.
+    """
+    apps = enqueue_apps(name)
+    if len(apps) <= 1:
+        return apps[0] if apps else None
+    if reply_to:
+        for app in apps:
+            try:
+                if app.thread_oid == reply_to:
+                    return app
+            except Exception:  # not a Celery app after all: cannot be the sender
+                continue
+    if name not in _ambiguous_warned:
+        _ambiguous_warned.add(name)
+        log.warning(
+            "task %s sent by name (send_task) is registered with lock_on='enqueue' by %d "
+            "Celery apps in this process (%s), and the message does not say which one sends "
+            "it: published without its queued lock (the execution-time lock still keeps runs "
+            "apart). Send it from one of these apps without a reply_to of your own, or call "
+            "the task itself (app.tasks[name].apply_async) instead of send_task.",
+            name,
+            len(apps),
+            ", ".join(repr(app) for app in apps),
+        )
+    return None
 
 
 def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None:
@@ -334,6 +371,7 @@ def queue_lock(
         return _pass_to_retry(manager, running, key, ttl)
     first = early.pending if early is not None else None
     splits = 0
+    confirms = 0
     revoked_checked = False
     while True:
         try:
@@ -366,6 +404,31 @@ def queue_lock(
                 revoked_checked = True
                 manager.release_nonce(key, holder.nonce)
                 continue
+            if holder.queued and manager.settle_time and not _settled(manager, holder):
+                # Redlock: the holder's attempt may yet be undone (it missed a reply), and its
+                # task id then never published. Merge only into one confirmed to hold.
+                try:
+                    confirmed = _confirm(task, manager, key, holder)
+                except LockUnavailable as exc:
+                    log.warning(
+                        "task %s[%s] published without its queued lock: %s",
+                        task.name,
+                        task_id,
+                        exc,
+                    )
+                    return Queued(None, None)
+                if not confirmed:
+                    confirms += 1
+                    if confirms < CONFIRM_TRIES:
+                        continue
+                    log.warning(
+                        "task %s[%s] published without its queued lock: the holders of %r "
+                        "kept changing before they settled",
+                        task.name,
+                        task_id,
+                        key,
+                    )
+                    return Queued(None, None)
             return _merged(task, key, task_id, holder)
         manager.forget(queued)
         if early is not None:
@@ -397,6 +460,51 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
         retry_in=None,
     )
     return Queued(None, holder.task_id)
+
+
+def _settled(manager: Backend, holder: Holder) -> bool:
+    """Whether ``holder``'s acquisition is older than its acquirer's time to undo it."""
+    return time.time() - holder.since >= manager.settle_time
+
+
+def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> bool:
+    """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
+
+    Reads ``key`` until the holder settles: True once its task holds the key settled or
+    executing (its message was published), or no longer holds it but ran; False when it let
+    the key go without running (its attempt was undone: look again), or a newer attempt of
+    its task holds it, not settled yet. Raises :class:`LockUnavailable` without a quorum.
+    """
+    # On the holder's wall clock, but never more than settle_time from now (clocks differ).
+    until = min(holder.since, time.time()) + manager.settle_time
+    while True:
+        now = manager.holder(key)
+        if now is None or now.task_id != holder.task_id:
+            return _ran(task, holder.task_id)
+        if not now.queued or (now.nonce == holder.nonce and time.time() >= until):
+            return True
+        if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
+            return False
+        # Still the same queued acquisition, not settled yet: its acquirer may still undo it.
+        time.sleep(max(0.0, min(CONFIRM_POLL, until - time.time())))
+
+
+def _ran(task: Publisher, task_id: str | None) -> bool:
+    """Whether the result backend has heard of ``task_id`` (it was published and ran)."""
+    if task_id is None:
+        return False
+    try:
+        state = str(task.AsyncResult(task_id).state)
+    except Exception:  # no result backend, or it is down: not known to have run
+        return False
+    return state not in (states.PENDING, states.REVOKED)
+
+
+#: Seconds between reads of a queued holder that has not settled (Redlock, :func:`_confirm`).
+CONFIRM_POLL = 0.05
+#: Holders that had not settled and went away (undone) before a duplicate publishes without
+#: its queued lock (each try waits at most ``settle_time``).
+CONFIRM_TRIES = 3
 
 
 #: Extra looks (at random delays up to 10 ms times the look's number) when Redlock

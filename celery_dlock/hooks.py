@@ -103,7 +103,13 @@ def _in_line(manager: Any, key: str, nonce: str) -> bool:
 
 
 @before_task_publish.connect
-def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **_: Any) -> None:
+def lock_published(
+    sender: Any = None,
+    headers: Any = None,
+    body: Any = None,
+    properties: Any = None,
+    **_: Any,
+) -> None:
     if not headers:
         return
     tick = current_tick()
@@ -115,7 +121,8 @@ def lock_published(sender: Any = None, headers: Any = None, body: Any = None, **
         return
     if HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
         return
-    task = _enqueue_task(sender)
+    reply_to = properties.get("reply_to") if isinstance(properties, dict) else None
+    task = _enqueue_task(sender, reply_to)
     if task is not None:  # send_task by name, or a beat process that did not import the task
         lock_unlabelled(task, headers, body)
 
@@ -127,8 +134,9 @@ def _claim_tick(tick: Tick, name: Any, headers: dict[str, Any]) -> None:
         mark_send(task, headers["id"], headers)
 
 
-def _enqueue_task(name: Any) -> SingletonTask | None:
-    app = enqueue_app(name)
+def _enqueue_task(name: Any, reply_to: Any) -> SingletonTask | None:
+    """The sending app's enqueue-time task ``name`` (the app told by ``reply_to``), or None."""
+    app = enqueue_app(name, reply_to)
     if app is None:
         return None
     # The registry itself, not ``app.tasks``: that would finalize the app as a side effect.

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,13 +16,20 @@ from celery import Celery
 
 from celery_dlock import SingletonTask, enqueue
 from celery_dlock.headers import HEADER_QUEUED
-from celery_dlock.testing import free_port
+from celery_dlock.testing import RedisServer, free_port
 from tests.clients import client
+from tests.proxy import FaultProxy
 
 
 def publisher(
-    broker: str, lock_urls: list[str], name: str, backend: str | None = "broker"
+    broker: str,
+    lock_urls: list[str],
+    name: str,
+    backend: str | None = "broker",
+    task_name: str | None = None,
 ) -> tuple[Celery, Any]:
+    """An app publishing to ``broker`` with one enqueue-time task (``<name>.job`` unless
+    ``task_name``), locked on ``lock_urls``."""
     backend = broker if backend == "broker" else backend
     app = Celery(name, broker=broker, backend=backend, set_as_current=False)
     app.conf.dlock_urls = lock_urls
@@ -28,7 +37,7 @@ def publisher(
     app.conf.broker_connection_max_retries = 0
     app.conf.task_publish_retry = False
 
-    @app.task(base=SingletonTask, shared=False, name=f"{name}.job", lock_on="enqueue")
+    @app.task(base=SingletonTask, shared=False, name=task_name or f"{name}.job", lock_on="enqueue")
     def job(n: int) -> int:
         return n
 
@@ -105,3 +114,160 @@ def test_many_distinct_keys_each_hold_their_queued_lock(
         assert holder.queued
         assert holder.holder == result.id
     assert len(queued_messages(app)) == 50
+
+
+# -- Redlock: a duplicate merged into an attempt that its publisher then undid ---------------
+
+
+def test_a_redlock_duplicate_never_merges_into_an_undone_attempt(
+    single_urls: list[str], servers: list[RedisServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Publisher A's attempt takes nodes 1 and 2 of three, but node 2's reply comes after
+    # A's dlock_node_timeout and node 3 refuses (another value there): A sees no majority
+    # and undoes its attempt. Publisher B, reading the nodes meanwhile, saw A's value on a
+    # majority and used to merge into A's task id at once. A then tries again with a new
+    # nonce and finds publisher C holding the key (C published the moment A undid): A merges
+    # into C and never publishes its own id, so B's result never came.
+    nodes = servers[:3]
+    task = "race.job"
+    with FaultProxy(nodes[1].port) as proxy:
+        urls_a = [nodes[0].url, proxy.url, nodes[2].url]
+        direct = [n.url for n in nodes]
+        app_a, job_a = publisher(single_urls[0], urls_a, "race_a", task_name=task)
+        app_b, job_b = publisher(single_urls[0], direct, "race_b", task_name=task)
+        app_c, job_c = publisher(single_urls[0], direct, "race_c", task_name=task)
+        for app in (app_a, app_b, app_c):
+            app.conf.dlock_node_timeout = 0.5
+        key = job_a.lock_key_for((1,), {})
+        redis_key = f"dlock:{{{key}}}"
+        manager_a = job_a._dlock().manager
+        for job in (job_b, job_c):  # this thread's connections open before the race starts
+            assert job._dlock().manager.holder(key) is None
+        client(nodes[2].url).set(redis_key, b"another value", px=60_000)
+
+        published: dict[str, Any] = {}
+        undo = manager_a._undo
+
+        def undo_then_c_publishes(*args: Any) -> None:
+            # A's first undo is the moment C publishes: the key is free on node 1 again.
+            undo(*args)
+            if "c" not in published:
+                client(nodes[2].url).delete(redis_key)
+                publishing = threading.Thread(
+                    target=lambda: published.setdefault("c", job_c.apply_async((1,), task_id="C"))
+                )
+                publishing.start()
+                publishing.join(timeout=10)
+
+        monkeypatch.setattr(manager_a, "_undo", undo_then_c_publishes)
+        warmed, delayed = threading.Event(), threading.Event()
+
+        def publish_a() -> None:
+            # Each thread has its own connections: A's open (and the acquire script is loaded
+            # on every node) before node 2 turns slow.
+            manager_a.release(manager_a.acquire("warm-up", renew=False))
+            warmed.set()
+            assert delayed.wait(timeout=10)
+            published["a"] = job_a.apply_async((1,), task_id="A")
+
+        a = threading.Thread(target=publish_a)
+        a.start()
+        assert warmed.wait(timeout=10)
+        proxy.delay(2.0)  # node 2's replies to A come long after A's node timeout
+        delayed.set()
+        deadline = time.monotonic() + 5
+        while not all(b'"A"' in (client(n.url).get(redis_key) or b"") for n in nodes[:2]):
+            assert time.monotonic() < deadline, "A's attempt never reached nodes 1 and 2"
+        # A's value is on a majority; A is still waiting for node 2's reply.
+        b = job_b.apply_async((1,), task_id="B")
+        a.join(timeout=30)
+        proxy.heal()  # A's voids of node 2 land (the janitor sends them again until they do)
+        sent = [m["headers"]["id"] for m in queued_messages(app_a)]
+        assert sent == ["C"], sent
+        assert published["a"].id == "C"  # A merged into C: its own id was never published
+        assert b.id in sent, f"B merged into {b.id}, which was never published"
+        for app in (app_a, app_b, app_c):
+            app.close()
+
+
+def test_a_redlock_duplicate_waits_only_while_the_holder_may_still_be_undone(
+    single_urls: list[str], redlock_urls: list[str]
+) -> None:
+    # A queued holder younger than settle_time is read again until it settles, then merged;
+    # once it is older, a duplicate merges at once (one acquisition round, no wait).
+    app, job = publisher(single_urls[0], redlock_urls, "settle")
+    app.conf.dlock_node_timeout = 0.2
+    manager = job._dlock().manager
+    assert manager.settle_time == pytest.approx(0.6)
+    first = job.apply_async((2,))
+    assert job.apply_async((2,)).id == first.id
+    holder = manager.holder(job.lock_key_for((2,), {}))
+    assert holder is not None
+    assert time.time() - holder.since >= manager.settle_time  # the duplicate waited for it
+    started = time.monotonic()
+    assert job.apply_async((2,)).id == first.id
+    assert time.monotonic() - started < manager.settle_time / 2
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    app.close()
+
+
+# -- send_task by name with several apps registering the task ---------------------------------
+
+
+@pytest.fixture
+def twin_apps(servers: list[RedisServer]) -> Iterator[list[tuple[Celery, Any]]]:
+    """Two apps in this process, each with its own broker and lock Redis, registering the
+    same enqueue-time task name (as a shared task copied into both would be)."""
+    twins = [
+        publisher(servers[2 + i].url, [servers[i].url], f"twin{i}", task_name="twin.job")
+        for i in range(2)
+    ]
+    for _, job in twins:
+        assert job.name == "twin.job"  # binds the task: each app registers the name
+    yield twins
+    for app, _ in twins:
+        app.close()
+
+
+def test_send_task_by_name_is_locked_with_the_sending_apps_settings(
+    twin_apps: list[tuple[Celery, Any]],
+) -> None:
+    # The receiver used the app that registered the name first, so the second app's
+    # messages took their queued locks on the first app's lock Redis.
+    (first_app, first_job), (second_app, second_job) = twin_apps
+    key = second_job.lock_key_for((5,), {})
+    sent = second_app.send_task("twin.job", (5,))
+    holder = second_job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == sent.id
+    assert first_job._dlock().manager.holder(key) is None
+    again = second_app.send_task("twin.job", (5,))
+    headers = {m["headers"]["id"]: m["headers"] for m in queued_messages(second_app)}
+    assert headers[again.id]["dlock_duplicate_of"] == sent.id
+    # The first app's own sends lock on its own Redis, apart from the second's.
+    mine = first_app.send_task("twin.job", (5,))
+    holder = first_job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == mine.id
+    assert [m["headers"]["id"] for m in queued_messages(first_app)] == [mine.id]
+
+
+def test_send_task_by_name_that_names_no_sending_app_is_not_locked_and_says_why(
+    twin_apps: list[tuple[Celery, Any]], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A reply_to of the caller's own hides which app sends: neither app's settings are
+    # guessed; the message goes out without a queued lock, with a warning naming both apps.
+    (first_app, first_job), (second_app, second_job) = twin_apps
+    enqueue._ambiguous_warned.clear()
+    key = second_job.lock_key_for((6,), {})
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        sent = second_app.send_task("twin.job", (6,), reply_to="my-own-queue")
+    assert first_job._dlock().manager.holder(key) is None
+    assert second_job._dlock().manager.holder(key) is None
+    message = queued_messages(second_app)[0]
+    assert message["headers"]["id"] == sent.id
+    assert "dlock_duplicate_of" not in message["headers"]
+    warned = [r.getMessage() for r in caplog.records if "sent by name" in r.getMessage()]
+    assert len(warned) == 1
+    assert repr(first_app) in warned[0]
+    assert repr(second_app) in warned[0]

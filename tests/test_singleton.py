@@ -247,9 +247,10 @@ def test_enqueue_mode_returns_the_queued_task_to_duplicates(
     # connections before the callers are let go together.
     # And a node timeout of 2 s for these publishers (this process only). With 0.5 s, a lock
     # server starved that long can make an attempt miss the reply of a node where it took the
-    # key: it sees no majority and undoes itself, while publishers that saw its majority
-    # meanwhile merge into its task id, never published (a library weakness of Redlock
-    # merges, reported; CI once saw by_name dropped as a duplicate of a task id no caller got).
+    # key: it sees no majority and undoes itself. Publishers that saw its majority meanwhile
+    # used to merge into its task id, never published (CI once saw by_name dropped as a
+    # duplicate of a task id no caller got); they now merge only into a holder that settled
+    # (test_enqueue_publish.py), but a publish without its queued lock would still fail here.
     with node_timeout(wa.app, 2.0):
         results = publish_together(wa.enqueued, ("queued", 1.5), 25)
     assert len({r.id for r in results}) == 1

@@ -101,6 +101,10 @@ class LockManager:
         self._retention_ms = ms(settings.fence_retention)
         #: The acquire script's "floor the token at the server clock" flag (single Redis).
         self._floor = "0" if self.redlock else "1"
+        #: How long a Redlock attempt that others read on a majority may still be undone by
+        #: its acquirer (Backend.settle_time): the replies' timeout, a fence write-back and
+        #: the undo, one node timeout each. One node: a value there is a decided acquisition.
+        self.settle_time = 3 * settings.node_timeout if self.redlock else 0.0
 
     def __repr__(self) -> str:
         kind = f"Redlock over {len(self.nodes)} nodes" if self.redlock else "single Redis"

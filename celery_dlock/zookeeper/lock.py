@@ -496,6 +496,9 @@ class _Pending:
 class ZooKeeperBackend:
     """Acquire and release leases on one ZooKeeper ensemble (a ``zookeeper://`` URL)."""
 
+    #: An acquisition others can read is decided: never undone (see Backend.settle_time).
+    settle_time = 0.0
+
     def __init__(
         self,
         url: str | Settings,
