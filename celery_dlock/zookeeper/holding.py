@@ -10,10 +10,8 @@ from collections.abc import Sequence
 
 from kazoo.exceptions import NoNodeError
 
-from celery_dlock import forks
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.lease import Lease
-from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_released
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.lease import ZkLease
@@ -31,12 +29,8 @@ def release(space: Keyspace, lease: Lease, *, wait: bool = True) -> bool:
     session = space.shared
     with lease.io_lock:
         lease.notice_expiry()
-        if not lease.set_released():
+        if not session.let_go(lease):
             return False
-        watchdog.discard(lease)
-        session.discard(lease)
-        if lease.pid != forks.pid():
-            return False  # the parent's lease, inherited by fork: the parent releases it
         confirmed: bool | None = None
         try:
             result = session.start().delete_async(lease.path)

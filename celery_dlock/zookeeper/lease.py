@@ -1,4 +1,5 @@
-"""A lease on ZooKeeper: valid while its session is proven alive, not for a ttl."""
+"""A lease on ZooKeeper: valid while its session is proven alive, not for a ttl; or, on a timed
+node (:class:`NodeLease`), for its ttl."""
 
 from __future__ import annotations
 

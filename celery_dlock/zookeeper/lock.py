@@ -1,22 +1,20 @@
-"""Leases on a ZooKeeper ensemble: :class:`ZooKeeperBackend`, the :class:`~celery_dlock.backend.
-Backend` of a ``zookeeper://`` URL. It checks arguments and hands each call to the module that
-does the work, from the bottom up:
+"""Leases on a ZooKeeper ensemble: :class:`ZooKeeperBackend`, the ``Backend``
+(:mod:`celery_dlock.backend`) of a ``zookeeper://`` URL. It checks arguments and hands each
+call to the module of ``celery_dlock.zookeeper`` that does the work. The modules by layer,
+from the bottom up (an import-linter contract in pyproject.toml keeps them so):
 
-* :mod:`~celery_dlock.zookeeper.url` the URL and TLS; :mod:`~celery_dlock.zookeeper.nodes` node
-  names and data; :mod:`~celery_dlock.zookeeper.fencing` which zxid is the token and
-  :mod:`~celery_dlock.zookeeper.decisions` a contender's next step (both pure);
-* :mod:`~celery_dlock.zookeeper.session` one client per process; :mod:`~celery_dlock.zookeeper.
-  lease` a lease's validity; :mod:`~celery_dlock.zookeeper.keyspace` where a backend's nodes
-  live; :mod:`~celery_dlock.zookeeper.znodes` the small requests every part sends;
-* :mod:`~celery_dlock.zookeeper.loss` a holder's watch on its own node;
-  :mod:`~celery_dlock.zookeeper.reaper` the clean-up thread;
-* :mod:`~celery_dlock.zookeeper.timed` timed nodes: queued locks, hand-over, forget, adoption
-  and their one-transaction replacements;
-* :mod:`~celery_dlock.zookeeper.entry` joining a key's line (create and list in one round
-  trip); :mod:`~celery_dlock.zookeeper.line` the lock recipe: waiting in line, admission,
-  refusals; :mod:`~celery_dlock.zookeeper.acquire` from replies to a lease;
-* :mod:`~celery_dlock.zookeeper.holding` renewal and release;
-  :mod:`~celery_dlock.zookeeper.inspection` the operator's reads and repairs.
+* ``url`` the URL and TLS; ``nodes`` lock node names and data;
+* ``fencing`` which zxid is the token, ``decisions`` a contender's next step (both pure, no
+  I/O); ``lease`` a lease's validity;
+* ``session`` one kazoo client per process;
+* ``keyspace`` where a backend's nodes live; ``znodes`` the small requests every part sends;
+  ``loss`` a holder's watch on its own node; ``reaper`` the clean-up thread;
+* ``timed`` timed nodes (queued locks, hand-over, forget, adoption) and their one-transaction
+  replacements; ``entry`` joining a key's line (create and list in one round trip);
+* ``line`` the lock recipe: waiting in line, admission, refusals;
+* ``acquire`` from replies to a lease; ``holding`` renewal and release; ``inspection`` the
+  operator's reads and repairs;
+* ``lock`` this facade.
 """
 
 from __future__ import annotations

@@ -56,10 +56,8 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss
 from kazoo.protocol.states import ZnodeStat
 
-from celery_dlock import forks
 from celery_dlock.holder import head_nonce
 from celery_dlock.lease import Lease
-from celery_dlock.renewal import watchdog
 from celery_dlock.zookeeper.decisions import failed
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.lease import NodeLease, ZkLease
@@ -223,11 +221,7 @@ def forget(space: Keyspace, lease: Lease) -> None:
     assert isinstance(lease, ZkLease)
     session = space.shared
     with lease.io_lock:
-        if not lease.set_released():
-            return
-        watchdog.discard(lease)
-        session.discard(lease)
-        if lease.pid != forks.pid():
+        if not session.let_go(lease):
             return
         timed = isinstance(lease, NodeLease) and lease.timed
         path: str | None = lease.path
@@ -286,11 +280,7 @@ def hand_over(space: Keyspace, lease: Lease, ttl: float) -> str | None:
     nonce = secrets.token_urlsafe(15)
     with lease.io_lock:
         lease.notice_expiry()
-        if not lease.set_released():
-            return None
-        watchdog.discard(lease)
-        session.discard(lease)
-        if lease.pid != forks.pid() or lease.holder is None:
+        if not session.let_go(lease) or lease.holder is None:
             return None
         data = identity(
             nonce, lease.holder, queued=True, task=task_name(lease.sender), ttl=ttl
