@@ -15,7 +15,7 @@ from celery_dlock.signals import lock_acquired
 from celery_dlock.zookeeper.entry import Attempt, enter
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.lease import NodeLease
-from celery_dlock.zookeeper.line import HeadVanished, queue
+from celery_dlock.zookeeper.line import HeadVanished, Won, queue
 from celery_dlock.zookeeper.session import KAZOO_ERRORS
 from celery_dlock.zookeeper.znodes import abandon
 
@@ -38,37 +38,46 @@ def finish(
     ``backend``, which releases it)."""
     for _ in range(HEAD_VANISHED_RETRIES):
         try:
-            return _finish_once(backend, space, attempt, wait, takeover, max_hold, on_lost)
+            won = _first_in_line(space, attempt, wait, takeover)
+            break
         except HeadVanished as vanished:
             refusal = vanished.refusal
         attempt = attempt.again(space)
-    raise refusal
+    else:
+        raise refusal
+    return _lease(backend, space, attempt, won, max_hold, on_lost)
 
 
-def _finish_once(
-    backend: LeaseBackend,
-    space: Keyspace,
-    attempt: Attempt,
-    wait: float | None,
-    takeover: str | None,
-    max_hold: float | None,
-    on_lost: LostCallback | None,
-) -> NodeLease:
-    """:func:`finish` for one attempt (:class:`HeadVanished`: make another)."""
-    session, key = attempt.session, attempt.key
+def _first_in_line(
+    space: Keyspace, attempt: Attempt, wait: float | None, takeover: str | None
+) -> Won:
+    """One attempt's replies read and its wait in line (:class:`HeadVanished`: make another);
+    our node is deleted when it does not win."""
     try:
         entered = enter(space, attempt)
     except KAZOO_ERRORS as exc:
-        raise space.unavailable(key, "lock", exc) from exc
+        raise space.unavailable(attempt.key, "lock", exc) from exc
     attempt.guard.path = entered.path
     try:
-        won = queue(space, attempt, entered, wait, takeover)
+        return queue(space, attempt, entered, wait, takeover)
     except (LockContended, HeadVanished):
         raise  # our node is already deleted
     except BaseException:
         attempt.guard.cancel()
-        abandon(attempt.client, session, entered.path)
+        abandon(attempt.client, attempt.session, entered.path)
         raise
+
+
+def _lease(
+    backend: LeaseBackend,
+    space: Keyspace,
+    attempt: Attempt,
+    won: Won,
+    max_hold: float | None,
+    on_lost: LostCallback | None,
+) -> NodeLease:
+    """The lease of an attempt that won: tracked (a session node's), guarded, announced."""
+    session, key = attempt.session, attempt.key
     timed = attempt.timed
     if timed:
         deadline = attempt.begun + attempt.ttl - drift(attempt.ttl, space.drift_factor)
