@@ -36,15 +36,15 @@ def finish(
 ) -> NodeLease:
     """Read an attempt's replies, wait in line as ``wait`` allows, and make the lease (of
     ``backend``, which releases it)."""
-    for _ in range(HEAD_VANISHED_RETRIES):
+    for tries in range(1, HEAD_VANISHED_RETRIES + 1):
         try:
             won = _first_in_line(space, attempt, wait, takeover)
             break
         except HeadVanished as vanished:
-            refusal = vanished.refusal
+            if tries == HEAD_VANISHED_RETRIES:
+                raise vanished.refusal from None
+        # A fresh attempt only when it will be read: its node would wait in line, unread.
         attempt = attempt.again(space)
-    else:
-        raise refusal
     return _lease(backend, space, attempt, won, max_hold, on_lost)
 
 
