@@ -20,7 +20,7 @@ Names and data are described in :mod:`celery_dlock.zookeeper.nodes`; line order 
   free key is one create and one list in one round trip; a refusal (``wait=0``) adds the read
   of the holder's identity and the delete of our node, again in one round trip; a release
   admits the next waiter with no request of its own, or (in a key that had a replacement)
-  one listing (see the fencing token).
+  one listing (see :mod:`celery_dlock.zookeeper.fencing`).
 * **Session nodes** (ephemeral) are what :meth:`ZooKeeperBackend.acquire` takes: the lease
   lasts as long as the session, and its validity follows the session (:class:`ZkLease`).
   **Timed nodes** (persistent), for queued locks, hand-overs and forgotten leases, hold a key
