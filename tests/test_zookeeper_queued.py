@@ -557,3 +557,43 @@ def test_a_refusal_racing_a_forget_still_names_the_holder(url: str) -> None:
     assert caught.value.holder is not None
     assert caught.value.holder.task_id == "beat-1"
     assert [h.task_id for h in second.queue("tick-race")] == ["beat-1"]
+
+
+def test_a_refusal_whose_head_keeps_vanishing_leaves_no_node_in_line(url: str) -> None:
+    """The holder's node is replaced (as a hand-over or forget does) right before each read of
+    it by another's refusal, more often than the refusal tries again: the refusal gives up
+    without making one more node it would never read nor delete (that node would wait in line,
+    then hold the key with no lease, for as long as this process's session lives)."""
+    first = ZooKeeperBackend(url)
+    first.acquire("vanishing", holder="holder-1")
+    second = other(url)
+    client = second.shared.start()
+    replacer = first.shared.start()
+    real_call = client._call
+    (head,) = replacer.get_children(first.parent("vanishing"))
+    heads = [f"{first.parent('vanishing')}/{head}"]
+
+    def replace_head(request: Any, async_object: Any) -> Any:
+        # Right before the refusal reads the holder's node: that node is replaced, in one
+        # transaction, by a session node in its place in line (its order), as a replacement is.
+        if type(request).__name__ == "GetData" and request.path == heads[-1]:
+            parent, name = heads[-1].rsplit("/", 1)
+            parsed = parse_name(name)
+            assert parsed is not None
+            data, _ = replacer.get(heads[-1])
+            transaction = replacer.transaction()
+            replacement = f"{parent}/{parsed.nonce}~o{parsed.order:010d}-"
+            transaction.create(replacement, data, ephemeral=True, sequence=True)
+            transaction.delete(heads[-1])
+            created, _ = transaction.commit()
+            heads.append(created)
+        return real_call(request, async_object)
+
+    client._call = replace_head
+    try:
+        with pytest.raises(LockContended):
+            second.acquire("vanishing", holder="refused-2")
+    finally:
+        del client._call
+    assert len(heads) > 2  # the head vanished under more than one attempt
+    assert [h.task_id for h in second.queue("vanishing")] == ["holder-1"]

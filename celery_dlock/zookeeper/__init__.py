@@ -1,11 +1,13 @@
 """The ZooKeeper backend: ``dlock_urls = ["zookeeper://h1:2181,h2:2181,h3:2181/celery-dlock"]``
 (``zookeepers://`` for TLS).
 
-Needs kazoo (``pip install celery-dlock[zookeeper]``). The lock recipe and its fencing token
-are described in :mod:`celery_dlock.zookeeper.lock`, a lease's validity in
-:mod:`celery_dlock.zookeeper.lease`; how the session's states map onto a
+Needs kazoo (``pip install celery-dlock[zookeeper]``). The lock recipe is described in
+:mod:`celery_dlock.zookeeper.line`, its fencing token in :mod:`celery_dlock.zookeeper.fencing`,
+timed nodes (queued locks, hand-overs, forgotten leases) in :mod:`celery_dlock.zookeeper.timed`,
+a lease's validity in :mod:`celery_dlock.zookeeper.lease`; how the session's states map onto a
 lease's validity in :mod:`celery_dlock.zookeeper.session`; the URL in
-:mod:`celery_dlock.zookeeper.url`.
+:mod:`celery_dlock.zookeeper.url`. :mod:`celery_dlock.zookeeper.lock` (the backend) lists every
+module by layer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A lease on ZooKeeper: valid while its session is proven alive, not for a ttl."""
+"""A lease on ZooKeeper: valid while its session is proven alive, not for a ttl; or, on a timed
+node (:class:`NodeLease`), for its ttl."""
 
 from __future__ import annotations
 
@@ -134,3 +135,31 @@ class ZkLease(Lease):
             "no ZooKeeper server answered for longer than the session timeout allows "
             "(process paused, or the ensemble unreachable): the session may have expired"
         )
+
+
+class NodeLease(ZkLease):
+    """A lease on one lock node, with what :func:`celery_dlock.zookeeper.timed.forget` needs:
+    when the node was made, on the leader's clock (``ctime_ms``), whether the acquisition
+    waited in line, and whether the node is timed (then the lease is valid for its ttl, not
+    for as long as the session, and forgetting it changes nothing on the servers)."""
+
+    def __init__(
+        self, backend: Any, path: str, *, ctime_ms: int, waited: bool, timed: bool, **kwargs: Any
+    ) -> None:
+        self.ctime_ms = ctime_ms
+        self.waited = waited
+        self.timed = timed
+        super().__init__(backend, path, **kwargs)
+
+    def suspend(self, until: float) -> None:
+        if not self.timed:  # a timed node does not end with the session
+            super().suspend(until)
+
+    def resume(self) -> None:
+        if not self.timed:
+            super().resume()
+
+    def _expiry_reason(self) -> str:
+        if self.timed:
+            return f"its validity ran out (ttl {self.ttl:g} s on a timed node, not renewed)"
+        return super()._expiry_reason()

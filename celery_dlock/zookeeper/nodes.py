@@ -25,6 +25,7 @@ import json
 import socket
 import time
 from typing import Any, NamedTuple
+from urllib.parse import quote
 
 from kazoo.protocol.states import ZnodeStat
 
@@ -48,6 +49,13 @@ class NodeName(NamedTuple):
     @property
     def sort_key(self) -> tuple[int, int]:
         return (self.order, self.seq)
+
+
+def key_name(key: str) -> str:
+    """``key`` as one znode name (its parent node's): percent-quoted ('/' and all), never '.'
+    or '..'."""
+    name = quote(key, safe="")
+    return name.replace(".", "%2E") if name in (".", "..") else name
 
 
 def task_hash(task_id: str) -> str:
@@ -91,10 +99,22 @@ def parse_name(name: str) -> NodeName | None:
     return NodeName(name, nonce, seq, order, timed, task)
 
 
+def order_of(name: str) -> int:
+    """The place in line of the node ``name`` (a replacement of it inherits this)."""
+    parsed = parse_name(name)
+    return parsed.order if parsed is not None else int(name[-SEQ_DIGITS:])
+
+
 def in_line(children: list[str]) -> list[NodeName]:
     """The children this module made, in line order (the holder first)."""
     parsed = [p for p in map(parse_name, children) if p is not None]
     return sorted(parsed, key=lambda p: p.sort_key)
+
+
+def task_name(sender: Any) -> str | None:
+    """The name of the task that sends a lock (a Celery task object), for a node's data."""
+    name = getattr(sender, "name", None)
+    return name if isinstance(name, str) else None
 
 
 def identity(
@@ -163,7 +183,7 @@ def expires_ms(raw: bytes | None, stat: ZnodeStat, default_ttl: float) -> int:
     """When a timed node ends, in ms on the ZooKeeper leader's wall clock: ``from`` (or its own
     ``ctime``) plus its ``ttl``. ``ctime`` and ``mtime`` are the time the leader stamped on the
     transaction when it prepared it, so comparing them with another write's stamp measures
-    time on the leader's clock (see :mod:`celery_dlock.zookeeper.lock`). Unreadable data
+    time on the leader's clock (see :mod:`celery_dlock.zookeeper.timed`). Unreadable data
     counts ``default_ttl`` from ``ctime``."""
     try:
         data = json.loads(raw or b"")

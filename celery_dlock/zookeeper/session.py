@@ -9,7 +9,7 @@ lease is exactly as good as its session, and kazoo's three states say how good t
 * ``CONNECTED`` — the session is live. A lease is valid until the session timeout after the
   last request of ours the servers answered (counted from when it was sent), minus the drift
   allowance; the watchdog sends one such request (an ``exists`` on the lease's node) every
-  third of the timeout (:class:`celery_dlock.zookeeper.lock.ZkLease`).
+  third of the timeout (:class:`celery_dlock.zookeeper.lease.ZkLease`).
 * ``SUSPENDED`` — the connection is gone and the session may or may not still be alive on the
   servers. kazoo declares this when a heartbeat ping has gone unanswered (it pings after a third
   of the session timeout without traffic, and gives up on the ping after another third), so the
@@ -241,6 +241,16 @@ class SharedClient:
     def discard(self, lease: ZkLease) -> None:
         with self.lock:
             self.leases.discard(lease)
+
+    def let_go(self, lease: ZkLease) -> bool:
+        """Mark ``lease`` released, and stop renewing and tracking it (under its ``io_lock``).
+        True when this process is now to end or keep its node: False when it was released
+        already, or is the parent's lease inherited by fork (the parent ends it)."""
+        if not lease.set_released():
+            return False
+        watchdog.discard(lease)
+        self.discard(lease)
+        return lease.pid == forks.pid()
 
     def _on_state(self, state: str) -> None:
         """kazoo's session listener (on kazoo's connection thread: nothing here may block)."""

@@ -1,0 +1,142 @@
+"""An acquisition from its sent requests to its lease: read the replies, wait in line
+(:mod:`celery_dlock.zookeeper.line`), then make the lease, track it and say so
+(``lock_acquired``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from celery_dlock.config import drift
+from celery_dlock.errors import LockContended
+from celery_dlock.lease import Lease, LeaseBackend, LostCallback
+from celery_dlock.renewal import watchdog
+from celery_dlock.signals import lock_acquired
+from celery_dlock.zookeeper.entry import Attempt, enter
+from celery_dlock.zookeeper.keyspace import Keyspace
+from celery_dlock.zookeeper.lease import NodeLease
+from celery_dlock.zookeeper.line import HeadVanished, Won, queue
+from celery_dlock.zookeeper.session import KAZOO_ERRORS
+from celery_dlock.zookeeper.znodes import abandon
+
+log = logging.getLogger("celery_dlock.zookeeper")
+
+#: Fresh attempts when a refusal found the first node gone before it could name its holder.
+HEAD_VANISHED_RETRIES = 3
+
+
+def finish(
+    backend: LeaseBackend,
+    space: Keyspace,
+    attempt: Attempt,
+    wait: float | None,
+    takeover: str | None,
+    max_hold: float | None,
+    on_lost: LostCallback | None,
+) -> NodeLease:
+    """Read an attempt's replies, wait in line as ``wait`` allows, and make the lease (of
+    ``backend``, which releases it)."""
+    for tries in range(1, HEAD_VANISHED_RETRIES + 1):
+        try:
+            won = _first_in_line(space, attempt, wait, takeover)
+            break
+        except HeadVanished as vanished:
+            if tries == HEAD_VANISHED_RETRIES:
+                raise vanished.refusal from None
+        # A fresh attempt only when it will be read: its node would wait in line, unread.
+        attempt = attempt.again(space)
+    return _lease(backend, space, attempt, won, max_hold, on_lost)
+
+
+def _first_in_line(
+    space: Keyspace, attempt: Attempt, wait: float | None, takeover: str | None
+) -> Won:
+    """One attempt's replies read and its wait in line (:class:`HeadVanished`: make another);
+    our node is deleted when it does not win."""
+    try:
+        entered = enter(space, attempt)
+    except KAZOO_ERRORS as exc:
+        raise space.unavailable(attempt.key, "lock", exc) from exc
+    attempt.guard.path = entered.path
+    try:
+        return queue(space, attempt, entered, wait, takeover)
+    except (LockContended, HeadVanished):
+        raise  # our node is already deleted
+    except BaseException:
+        attempt.guard.cancel()
+        abandon(attempt.client, attempt.session, entered.path)
+        raise
+
+
+def _lease(
+    backend: LeaseBackend,
+    space: Keyspace,
+    attempt: Attempt,
+    won: Won,
+    max_hold: float | None,
+    on_lost: LostCallback | None,
+) -> NodeLease:
+    """The lease of an attempt that won: tracked (a session node's), guarded, announced."""
+    session, key = attempt.session, attempt.key
+    timed = attempt.timed
+    if timed:
+        deadline = attempt.begun + attempt.ttl - drift(attempt.ttl, space.drift_factor)
+    else:
+        deadline = won.proven + space.validity(session)
+    lease = NodeLease(
+        backend,
+        won.path,
+        ctime_ms=won.ctime_ms,
+        waited=won.waited,
+        timed=timed,
+        key=key,
+        token=won.token,
+        head=attempt.data.decode(),
+        holder=attempt.holder,
+        ttl=attempt.ttl,
+        started=attempt.begun if timed else won.proven,
+        deadline=deadline,
+        renew_interval=None if timed else session.negotiated / 3,
+        max_hold=max_hold,
+        sender=attempt.sender,
+    )
+    if on_lost is not None:
+        lease.on_lost(on_lost)
+    if not timed:
+        session.add(lease)
+        watchdog.add(lease)  # confirms the session every third of its timeout (renew())
+    won.guard.attach(lease)
+    waited_for = time.monotonic() - attempt.begun
+    log.debug("acquired key=%s token=%s waited=%.3f", key, lease.token, waited_for)
+    lock_acquired.send(
+        sender=attempt.sender,
+        key=key,
+        token=lease.token,
+        task_id=attempt.holder,
+        waited=waited_for,
+    )
+    return lease
+
+
+class Pending:
+    """A queued lock's acquisition sent by :meth:`ZooKeeperBackend.send_queued`, not read yet."""
+
+    def __init__(self, backend: LeaseBackend, space: Keyspace, attempt: Attempt) -> None:
+        self.key = attempt.key
+        self._backend = backend
+        self._space = space
+        self._attempt = attempt
+
+    @property
+    def nonce(self) -> str:
+        """The random nonce of the acquisition sent (whether or not it took the key)."""
+        return self._attempt.nonce
+
+    @property
+    def token(self) -> str:
+        """Older name of :attr:`nonce`."""
+        return self.nonce
+
+    def finish(self) -> Lease:
+        """Read the replies: the lease, or raise LockContended / LockUnavailable."""
+        return finish(self._backend, self._space, self._attempt, 0.0, None, None, None)

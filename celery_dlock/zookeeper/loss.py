@@ -1,0 +1,114 @@
+"""How a holder learns that its lock node was deleted by someone else (an operator's ``celery
+dlock release``): a watch on its own node, set only once the key's children changed."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+from kazoo.protocol.states import EventType, WatchedEvent
+
+from celery_dlock import forks
+from celery_dlock.renewal import watchdog
+from celery_dlock.zookeeper.lease import ZkLease
+from celery_dlock.zookeeper.session import KAZOO_ERRORS, SharedClient
+
+
+class Guard:
+    """Tells a holder that its node was deleted by someone else, at no cost when nothing
+    happens to the key.
+
+    The listing sent with the create carries a watch on the key's children (free: it rides on
+    a request we send anyway). Until some child changes, our node is certainly still there.
+    At the first change (a waiter queued, a node deleted) the guard sends one ``get`` with
+    a watch on our own node, which from then on reports its deletion (an operator's release)
+    as the lease's loss. A waiter sends that ``get`` together with the watch on its
+    predecessor, while it waits, so nothing is left to send once it is admitted. So an
+    uncontended cycle costs three requests (create, list, delete), as kazoo's own Lock does,
+    and the first two share one round trip.
+    """
+
+    def __init__(self, client: KazooClient, session: SharedClient) -> None:
+        self._client = client
+        self._session = session
+        self._lock = threading.Lock()
+        self._lease: ZkLease | None = None
+        self.path: str | None = None  # our node, once created
+        self._fired = False  # the key's children changed since our listing
+        self._armed = False  # a watch on our own node is set
+        self._deleted = False  # our node was deleted before the lease existed
+
+    @property
+    def deleted(self) -> bool:
+        """Our node was seen deleted before the acquisition won."""
+        with self._lock:
+            return self._deleted
+
+    def cancel(self) -> None:
+        """The acquisition gave up (refused, or failed): guard nothing from now on."""
+        with self._lock:
+            self.path = None
+
+    def on_children(self, _event: WatchedEvent) -> None:
+        with self._lock:
+            self._fired = True
+        self.watch_own()
+
+    def attach(self, lease: ZkLease) -> None:
+        """The acquisition won: guard ``lease`` (now, if its key changed meanwhile)."""
+        with self._lock:
+            self._lease = lease
+            deleted = self._deleted
+        if deleted:
+            self._gone()
+        else:
+            self.watch_own()
+
+    def watch_own(self, *, now: bool = False) -> None:
+        """Set the watch on our own node, once (at once when ``now``, else only after the
+        key's children changed)."""
+        with self._lock:
+            if self.path is None or self._armed or not (now or self._fired):
+                return
+            lease = self._lease
+            if lease is not None and (lease.released or lease.lost):
+                return
+            self._armed = True
+            path = self.path
+        # Sent without waiting (this may run on kazoo's callback thread, which must not block).
+        # A data watch (``get``), not ``exists``: an ``exists`` on a node already gone would
+        # leave a watch for the creation of a name no sequential node ever takes again, kept by
+        # the client and the servers for the rest of the session.
+        self._client.get_async(path, watch=self._on_event).rawlink(self._on_reply)
+
+    def _on_event(self, event: WatchedEvent) -> None:
+        with self._lock:
+            self._armed = False
+        if event.type == EventType.DELETED:
+            self._gone()
+        elif event.type is not None:
+            self.watch_own(now=True)  # data changed: keep watching
+
+    def _on_reply(self, result: Any) -> None:
+        try:
+            result.get()
+        except NoNodeError:
+            self._gone()
+        except KAZOO_ERRORS:
+            return  # session trouble: the session listener reports it
+
+    def _gone(self) -> None:
+        with self._lock:
+            lease = self._lease
+            if lease is None:
+                self._deleted = True  # a waiter's node: its next listing will miss it
+                return
+        if lease.released or lease.pid != forks.pid():
+            return
+        self._session.discard(lease)
+        watchdog.discard(lease)
+        lease.lose(  # on kazoo's watch thread: callbacks run elsewhere (see ZkLease.lose)
+            "its lock node was deleted by another client (celery dlock release, or an operator)"
+        )
