@@ -108,19 +108,34 @@ def _connect_all(
         return
     pool = _connector.get()
     begun = time.monotonic()
-    futures = {i: pool.submit(connect, nodes[i], conns[i]) for i in todo}
-    for i, future in futures.items():
-        try:
-            failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
-        except FutureTimeout:
-            # Still connecting in the background: never use that connection object, and close
-            # it once the connect ends, or its socket would stay open with nobody to close it.
-            future.add_done_callback(_closer(conns[i]))
-            nodes[i].drop_connection()
-            failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
-        if failure is not None:
-            failure.dlock_unsent = True  # type: ignore[attr-defined]
-            replies[i] = failure
+    futures: dict[int, Future[None]] = {}
+    try:
+        for i in todo:
+            futures[i] = pool.submit(connect, nodes[i], conns[i])
+        for i, future in futures.items():
+            try:
+                failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
+            except FutureTimeout:
+                _give_up(nodes[i], conns[i], future)
+                failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
+            if failure is not None:
+                failure.dlock_unsent = True  # type: ignore[attr-defined]
+                replies[i] = failure
+    except BaseException:
+        # Interrupted (a soft time limit, LockLost): the connects still running would go on
+        # beside this thread's next command on the same connection (AUTH, SELECT unanswered).
+        for i, future in futures.items():
+            if not future.done():
+                _give_up(nodes[i], conns[i], future)
+        raise
+
+
+def _give_up(node: Node, conn: Connection, future: Future[None]) -> None:
+    """Still connecting in the background: the thread never uses that connection object
+    again, and it is closed once the connect ends, or its socket would stay open with nobody
+    to close it."""
+    future.add_done_callback(_closer(conn))
+    node.drop_connection()
 
 
 def _closer(conn: Connection) -> Callable[[Future[Any]], None]:
