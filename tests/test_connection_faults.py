@@ -31,7 +31,7 @@ from celery_dlock import LockContended, LockLost, LockUnavailable, lock
 from celery_dlock.lease import Lease
 from celery_dlock.redis.janitor import SWEEP_TICK
 from celery_dlock.redis.redlock import LockManager
-from celery_dlock.redis.transport import CONFIRM_GRACE
+from celery_dlock.redis.resends import CONFIRM_GRACE
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
 from tests.clients import client

@@ -611,17 +611,18 @@ def test_commands_packed_in_c_match_redis_py() -> None:
     from redis.connection import Connection
     from redis.exceptions import DataError
 
-    from celery_dlock.redis import transport
+    from celery_dlock.redis.skipping import PROBE_COMMAND, SKIP_REPLY
+    from celery_dlock.redis.wire import pack
 
     conn = Connection()
     command = ("EVALSHA", "ab" * 20, 3, "k:é", "f", "v", '{"holder":"x"}', "60000", 0, 1.5, b"\x00")
-    assert b"".join(transport._pack(conn, command)) == b"".join(conn.pack_command(*command))
+    assert b"".join(pack(conn, command)) == b"".join(conn.pack_command(*command))
     with pytest.raises(DataError):  # redis-py's own error, as before
-        transport._pack(conn, ("GET", object()))
+        pack(conn, ("GET", object()))
     # the reply-less release's constant prefix and probe, written out as bytes
-    assert b"".join(conn.pack_command("CLIENT", "REPLY", "SKIP")) == transport._SKIP_REPLY
+    assert b"".join(conn.pack_command("CLIENT", "REPLY", "SKIP")) == SKIP_REPLY
     probe = ("EVAL", "return 'dlock-skip-probe'", 0)
-    assert b"".join(conn.pack_command(*probe)) == transport._PROBE_COMMAND
+    assert b"".join(conn.pack_command(*probe)) == PROBE_COMMAND
 
 
 # -- releases nobody waits for ---------------------------------------------------------------
@@ -632,7 +633,9 @@ def test_release_without_waiting_gets_no_reply_and_frees_the_key(urls: list[str]
     """A task's release goes out after ``CLIENT REPLY SKIP``, as source: the key goes, the
     server writes no reply, and later commands still read their own replies, also after a
     ``SCRIPT FLUSH`` (an EVALSHA whose NOSCRIPT nobody reads would be lost)."""
-    from celery_dlock.redis import transport
+    from celery_dlock.redis.connecting import stale
+    from celery_dlock.redis.owed import entries
+    from celery_dlock.redis.skipping import skippable
 
     manager = manager_for(urls)
     for i in range(30):
@@ -646,16 +649,17 @@ def test_release_without_waiting_gets_no_reply_and_frees_the_key(urls: list[str]
                 client(url).script_flush()
     for node in manager.nodes:
         conn = node.connection()
-        assert transport._skippable(conn) is True
-        assert not transport._owed(conn)
-        assert not transport._stale(conn), "a reply (or EOF) is waiting on the socket"
+        assert skippable(conn) is True
+        assert not entries(conn)
+        assert not stale(conn), "a reply (or EOF) is waiting on the socket"
 
 
 def test_release_without_client_reply_permission_awaits_replies(server: RedisServer) -> None:
     """An ACL user with only the documented rules may not run ``CLIENT REPLY``: the first
     release's probe finds that out, and releases go back to replies read later, none misread."""
-    from celery_dlock.redis import transport
     from celery_dlock.redis.diagnose import acl_rules
+    from celery_dlock.redis.owed import entries
+    from celery_dlock.redis.skipping import skippable
 
     client(server.url).execute_command(
         "ACL", "SETUSER", "noskip", "reset", "on", ">pw", "-@all", *acl_rules().split()
@@ -668,8 +672,8 @@ def test_release_without_client_reply_permission_awaits_replies(server: RedisSer
         lease.release(wait=False)
         wait_for(lambda k=key: lock_keys([server.url], k) == [None], 2, f"{key} released")
     conn = manager.nodes[0].connection()
-    assert transport._skippable(conn) is False
-    assert len(transport._owed(conn)) == 1  # the last release's reply, read before the next
+    assert skippable(conn) is False
+    assert len(entries(conn)) == 1  # the last release's reply, read before the next
     with lock([url], "noskip-after", ttl=5) as lease:
         assert lease.token > 0
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ from celery import Celery
 from celery_dlock import LockContended, LockLost, LockUnavailable, interrupt, lock
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
-from celery_dlock.testing import RedisServer
+from celery_dlock.testing import RedisServer, redis_servers
 from tests.clients import client
 
 pytestmark = pytest.mark.local_redis
@@ -107,6 +109,71 @@ def test_interrupted_call_never_leaves_a_reply_for_the_next_command(
         assert time.monotonic() < deadline, "the interrupted attempt was never undone"
         time.sleep(0.05)
     other.release()
+
+
+def _in_handshake(conn: Any) -> bool:
+    """True while some thread waits inside redis-py's handshake (``on_connect``: AUTH,
+    SELECT) for the server's reply on ``conn``."""
+    for frame in sys._current_frames().values():
+        outer: FrameType | None = frame
+        reading = False
+        while outer is not None:
+            if outer.f_code.co_name == "read_response" and outer.f_locals.get("self") is conn:
+                reading = True
+            elif reading and outer.f_code.co_name.startswith("on_connect"):
+                return True
+            outer = outer.f_back
+    return False
+
+
+def test_a_call_interrupted_while_connecting_never_shares_the_connection_being_set_up() -> None:
+    """A soft time limit landing while a fan-out's connects run in the background must not
+    leave the thread that connection: its next call would write beside the handshake, here
+    after an AUTH whose SELECT had not gone out yet, so its acquire ran in database 0."""
+    with redis_servers(3, extra_args=["--requirepass", "pw"]) as servers:
+        urls = [f"redis://:pw@127.0.0.1:{s.port}/1" for s in servers]
+        manager = manager_for(app_for(urls, dlock_node_timeout=2.0))
+        # The scripts cached on every server, by another thread: this one's connections
+        # stay unopened, so the call below connects all three in the background.
+        warm = threading.Thread(
+            target=lambda: manager.acquire("warm", ttl=5, renew=False).release()
+        )
+        warm.start()
+        warm.join()
+        conns = [node.connection() for node in manager.nodes]
+        servers[1].pause()  # its TCP connect succeeds; AUTH waits for a reply
+        try:
+            with (
+                pytest.raises(Interrupted),
+                interrupt_when(lambda: _in_handshake(conns[1])),
+            ):
+                manager.acquire("k1", ttl=30, renew=False)
+            # The next call, on the same thread, while that handshake still waits; node 1
+            # answers once the call has written to the others.
+            taken = [client(urls[0]), client(urls[2])]
+            resumer = threading.Thread(
+                target=until_then,
+                args=(lambda: all(c.exists("dlock:{k2}") for c in taken), servers[1].resume),
+            )
+            resumer.start()
+            lease = manager.acquire("k2", ttl=30, renew=False)
+            resumer.join()
+        finally:
+            servers[1].resume()
+        db0 = client(f"redis://:pw@127.0.0.1:{servers[1].port}/0")
+        db0.ping()  # served after whatever the paused server had already been sent
+        assert db0.keys("dlock:*") == [], "a lock command ran before the handshake's SELECT"
+        lease.release()
+
+
+def until_then(
+    condition: Callable[[], bool], then: Callable[[], None], timeout: float = 10
+) -> None:
+    """Call ``then()`` once ``condition()`` holds (polled), or after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    then()
 
 
 def test_many_failed_attempts_with_nodes_down_do_not_stall_renewal(

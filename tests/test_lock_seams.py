@@ -100,7 +100,7 @@ def test_a_release_the_server_drops_as_it_closes_is_sent_again_by_the_janitor(
         lease.release(wait=False)
         assert proxy.swallowed.wait(5), "the proxy never saw the release"
         proxy.heal()
-        # Within transport.CONFIRM_GRACE (1 s) + janitor.SWEEP_TICK (0.5 s), a round trip,
+        # Within resends.CONFIRM_GRACE (1 s) + janitor.SWEEP_TICK (0.5 s), a round trip,
         # and slack for a loaded machine.
         wait_gone(server.url, "raced-idle", 3.5)
 

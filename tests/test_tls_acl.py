@@ -22,9 +22,9 @@ import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockUnavailable, SingletonTask, lock
+from celery_dlock.redis.connecting import stale as _stale
 from celery_dlock.redis.diagnose import ACL_COMMANDS, acl_rules
 from celery_dlock.redis.nodes import Node
-from celery_dlock.redis.transport import _stale
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.test_cli import dlock as dlock_cli

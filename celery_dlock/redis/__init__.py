@@ -4,7 +4,10 @@ What :mod:`celery_dlock.config` asks of a backend module: :func:`check_urls` and
 :func:`make_backend`. The lock itself is :class:`~.redlock.LockManager`; the modules below it,
 from the wire up: :mod:`.endpoints` (URLs, redis-py clients), :mod:`.scripts` (the Lua),
 :mod:`.nodes` (a node and its connections), :mod:`.failover` (Sentinel's announcements),
-:mod:`.transport` (one command to N nodes), :mod:`.cluster` (Cluster routing),
+:mod:`.wire` (a command packed, a reply read), :mod:`.connecting` (connects, stale
+connections), :mod:`.skipping` (``CLIENT REPLY SKIP``), :mod:`.owed` (replies still owed),
+:mod:`.resends` (reply-less releases not yet confirmed), :mod:`.sending` (scripts sent without
+waiting), :mod:`.transport` (one command to N nodes), :mod:`.cluster` (Cluster routing),
 :mod:`.diagnose` (what an error means), :mod:`.janitor` (deletes owed to silent nodes),
 :mod:`.decisions` (what replies decide), :mod:`.ending` (release, hand-over), :mod:`.renewing`
 (renewal), :mod:`.inspection` (the operator's reads and repairs).

@@ -25,7 +25,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_dlock import forks
 from celery_dlock.redis import diagnose, endpoints
 from celery_dlock.redis.nodes import Node, Reply, SentinelNode, is_connected
-from celery_dlock.redis.transport import _drain, _read, run_script
+from celery_dlock.redis.owed import drain
+from celery_dlock.redis.transport import run_script
+from celery_dlock.redis.wire import read
 
 #: Redirections (MOVED, ASK) and TRYAGAIN retries one Cluster call follows before giving up.
 CLUSTER_REDIRECTS = 5
@@ -166,12 +168,12 @@ class ClusterNode(Node):
         try:
             if not is_connected(conn):
                 conn.connect()
-            _drain(shard, conn)
+            drain(shard, conn)
             source = shard.scripts[name].script
             commands = [("ASKING",), ("EVAL", source, len(keys), *keys, *args)]
             conn.send_packed_command(conn.pack_commands(commands), check_health=False)
-            asking = _read(conn)
-            reply = _read(conn)
+            asking = read(conn)
+            reply = read(conn)
         except (RedisError, OSError) as exc:
             conn.disconnect()
             return exc

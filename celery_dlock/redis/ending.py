@@ -21,7 +21,9 @@ from celery_dlock.redis.diagnose import describe
 from celery_dlock.redis.inspection import RedisNodes, revoked_key
 from celery_dlock.redis.janitor import janitor
 from celery_dlock.redis.nodes import Node, Reply
-from celery_dlock.redis.transport import Resend, run_script, send_script
+from celery_dlock.redis.resends import Resend
+from celery_dlock.redis.sending import send_script
+from celery_dlock.redis.transport import run_script
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_released
 

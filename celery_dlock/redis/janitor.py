@@ -11,8 +11,8 @@ Three kinds of work, one thread per process:
   release did not reach a node (it timed out, or the node was cooling down), owes that node
   its delete (scripts.RELEASE_LATE: delete if ours, and leave markers so that a late acquire
   or renewal of that acquisition cannot bring the key back).
-* **Unconfirmed reply-less releases** (:func:`transport.send_script`) whose thread did not
-  use that connection again within :data:`transport.CONFIRM_GRACE`: sent again here, with a
+* **Unconfirmed reply-less releases** (:func:`.sending.send_script`) whose thread did not
+  use that connection again within :data:`resends.CONFIRM_GRACE`: sent again here, with a
   reply, so that a release written into a connection the server had just closed is not lost.
 
 Each item is retried with backoff until it lands. A node that stays silent may still run a
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_dlock import forks
-from celery_dlock.redis import transport
+from celery_dlock.redis import resends
 from celery_dlock.redis.nodes import Node
 from celery_dlock.redis.transport import run_script
 
@@ -45,7 +45,7 @@ log = logging.getLogger("celery_dlock.release")
 BACKOFF = (0.05, 1.0)
 #: How often the janitor looks for reply-less commands left unconfirmed: a tracked command is
 #: sent again between CONFIRM_GRACE and CONFIRM_GRACE + SWEEP_TICK after it went out.
-SWEEP_TICK = transport.CONFIRM_GRACE / 2
+SWEEP_TICK = resends.CONFIRM_GRACE / 2
 #: Seconds past the key's own expiry that an item is still retried while its node is silent:
 #: a node stalled that long may still run a stale acquire when it resumes.
 LATE_LIMIT = 300.0
@@ -79,7 +79,7 @@ class Janitor:
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._next_sweep = 0.0
-        transport.sweeper = self.wake
+        resends.sweeper = self.wake
 
     def _fork_check(self) -> None:
         if self._pid != forks.pid():  # forked: the parent's pending work is not ours
@@ -121,7 +121,7 @@ class Janitor:
             self._cond.notify()
 
     def wake(self) -> None:
-        """Called by the transport when a connection first carries a tracked command."""
+        """Called by :mod:`.resends` when a connection first carries a tracked command."""
         self._fork_check()
         with self._cond:
             self._start()
@@ -150,14 +150,14 @@ class Janitor:
         carry tracked commands, look at them every SWEEP_TICK (no wake-up per release)."""
         while True:
             now = time.monotonic()
-            if transport.tracking() and now >= self._next_sweep:
+            if resends.tracking() and now >= self._next_sweep:
                 self._next_sweep = now + SWEEP_TICK
-                for node, (name, keys, args, until) in transport.overdue(now):
+                for node, (name, keys, args, until) in resends.overdue(now):
                     log.debug(
                         "%s: a reply-less %s was not confirmed within %g s; sending it again",
                         node.shown,
                         name,
-                        transport.CONFIRM_GRACE,
+                        resends.CONFIRM_GRACE,
                     )
                     item = _Item(
                         now, next(self._seq), node.owner or node, name, keys, args, until,
@@ -167,7 +167,7 @@ class Janitor:
             first = self._heap[0].due if self._heap else math.inf
             if first <= now:
                 break
-            sweep = self._next_sweep if transport.tracking() else math.inf
+            sweep = self._next_sweep if resends.tracking() else math.inf
             wake = min(first, sweep)
             self._cond.wait(None if wake == math.inf else wake - now)
         out: list[_Item] = []

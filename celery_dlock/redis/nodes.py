@@ -20,7 +20,8 @@ from celery_dlock import forks
 from celery_dlock.redis import endpoints, failover, scripts
 
 #: The logger operators know for connection problems with one node (docs/operations.md),
-#: shared with :mod:`celery_dlock.redis.transport`.
+#: shared with every module that talks to the nodes (:mod:`.transport`, :mod:`.sending` and
+#: those below them).
 log = logging.getLogger("celery_dlock.transport")
 
 #: A node's answer: the script's reply, or the exception that stood in for it.
@@ -65,9 +66,9 @@ class ConnState:
         self.tls = False
         #: Whether the server honours ``CLIENT REPLY SKIP`` on ``sock``; None: not asked yet.
         self.skip: bool | None = None
-        #: Commands sent whose replies are still to be read, in order (``transport._Owed``).
+        #: Commands sent whose replies are still to be read, in order (``owed.Owed``).
         self.owed: list[Any] = []
-        #: Reply-less commands not yet confirmed by a later reply (``transport._Sent``); None
+        #: Reply-less commands not yet confirmed by a later reply (``resends.Sent``); None
         #: until the connection first carries one.
         self.sent: list[Any] | None = None
 
@@ -82,7 +83,7 @@ class ConnState:
 
 
 #: Unconfirmed reply-less commands of connections closed with their thread, for the janitor
-#: (:func:`celery_dlock.redis.transport.overdue`): the node, and what to send again.
+#: (:func:`celery_dlock.redis.resends.overdue`): the node, and what to send again.
 orphans: list[tuple[Node, Any]] = []
 
 

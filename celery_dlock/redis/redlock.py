@@ -52,12 +52,9 @@ from celery_dlock.redis.diagnose import describe
 from celery_dlock.redis.ending import void_key
 from celery_dlock.redis.janitor import janitor
 from celery_dlock.redis.nodes import Node, Reply
-from celery_dlock.redis.transport import (
-    Deferred,
-    blocking_pop,
-    run_script,
-    send_deferred,
-)
+from celery_dlock.redis.owed import Deferred
+from celery_dlock.redis.sending import send_deferred
+from celery_dlock.redis.transport import blocking_pop, run_script
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired, lock_lost
 
