@@ -4,6 +4,7 @@ not renewed, and cool-downs that outlast the failures behind them."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -124,6 +125,25 @@ def test_a_dropped_release_of_a_thread_that_ends_is_sent_again_by_the_janitor(
         thread.start()
         thread.join(10)
         wait_gone(server.url, "raced-thread", 3.5)
+
+
+def test_a_dropped_release_on_a_connection_the_thread_lets_go_of_is_sent_again(
+    server: RedisServer,
+) -> None:
+    """The same race, and then the thread gives its connection up (a connect it stopped
+    waiting for, ``connecting._give_up``): the release that connection could no longer confirm
+    goes to the janitor, not away with the connection object."""
+    with FaultProxy(server.port) as proxy:
+        manager = manager_for([proxy.url])
+        manager.acquire("raced-dropped", ttl=30, renew=False).release(wait=False)
+        lease = manager.acquire("raced-dropped", ttl=30, renew=False)
+        proxy.swallow()
+        lease.release(wait=False)
+        assert proxy.swallowed.wait(5), "the proxy never saw the release"
+        proxy.heal()
+        manager.nodes[0].drop_connection()
+        gc.collect()  # the tracked set holds connections weakly: the object is gone now
+        wait_gone(server.url, "raced-dropped", 3.5)
 
 
 # -- 2. Redlock: a node that hung through a successful acquisition ---------------------------

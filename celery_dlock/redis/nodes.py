@@ -167,7 +167,9 @@ class Node:
         """Forget this thread's connection for ``purpose``; a new one is made on next use."""
         conns: _ThreadConnections | None = getattr(self._local, "conns", None)
         if conns is not None:
-            conns.pop(purpose, None)
+            conn = conns.pop(purpose, None)
+            if conn is not None:
+                _orphan_sent(conn)
 
     def close(self) -> None:
         """Close this thread's connections and the client's pool."""
@@ -377,16 +379,21 @@ class _ThreadConnections(dict[str, Connection]):
     def close(self) -> None:
         for conn in self.values():
             conn.disconnect()
-            state: ConnState = conn._dlock
-            sent = state.sent
-            if sent:  # nobody will confirm these now: the janitor sends them again
-                with contextlib.suppress(Exception):  # at interpreter exit, modules go first
-                    orphans.extend((state.node, entry[0]) for entry in sent)
-                sent.clear()
+            _orphan_sent(conn)
         self.clear()
 
     def __del__(self) -> None:
         self.close()
+
+
+def _orphan_sent(conn: Connection) -> None:
+    """Hand the reply-less releases ``conn`` sent but never saw confirmed to the janitor: a
+    connection this thread lets go of will not confirm them now, and they are sent again."""
+    state: ConnState | None = getattr(conn, "_dlock", None)
+    if state is not None and state.sent:
+        with contextlib.suppress(Exception):  # at interpreter exit, modules go first
+            orphans.extend((state.node, entry[0]) for entry in state.sent)
+        state.sent.clear()
 
 
 def is_connected(conn: Connection) -> bool:
