@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol
 
 from celery import states
+from celery.backends.base import DisabledBackend
 from celery.utils import uuid
 
 from celery_dlock.backend import Backend, PendingLease
@@ -404,7 +405,12 @@ def queue_lock(
                 revoked_checked = True
                 manager.release_nonce(key, holder.nonce)
                 continue
-            if holder.queued and manager.settle_time and not _settled(manager, holder):
+            if (
+                holder.queued
+                and manager.settle_time
+                and _results_kept(task)
+                and not _settled(manager, holder)
+            ):
                 # Redlock: the holder's attempt may yet be undone (it missed a reply), and its
                 # task id then never published. Merge only into one confirmed to hold.
                 try:
@@ -460,6 +466,19 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
         retry_in=None,
     )
     return Queued(None, holder.task_id)
+
+
+def _results_kept(task: Publisher) -> bool:
+    """Whether a caller can wait on the task id a duplicate merges into: the task keeps its
+    results. Else merging into an attempt undone later strands no waiter, and a holder that
+    ran and let the key go could not be told from an undone one (its state stays PENDING):
+    a duplicate merges at once, as on a single Redis."""
+    if getattr(task, "ignore_result", False):
+        return False
+    try:
+        return not isinstance(task.backend, DisabledBackend)
+    except Exception:  # a backend that cannot even be made keeps nothing
+        return False
 
 
 def _settled(manager: Backend, holder: Holder) -> bool:

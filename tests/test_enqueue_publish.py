@@ -271,3 +271,40 @@ def test_send_task_by_name_that_names_no_sending_app_is_not_locked_and_says_why(
     assert len(warned) == 1
     assert repr(first_app) in warned[0]
     assert repr(second_app) in warned[0]
+
+
+def test_a_redlock_duplicate_of_a_task_without_kept_results_merges_at_once(
+    single_urls: list[str], redlock_urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no result backend nobody can wait on a merged task id, so waiting for the holder to
+    # settle protects nothing; and a holder that a worker ran and released before the duplicate
+    # read the key again could not be told from an undone attempt (its state stays PENDING):
+    # the duplicate published a second message, so one call ran twice.
+    app, job = publisher(single_urls[0], redlock_urls, "unkept", backend=None)
+    app.conf.dlock_node_timeout = 0.5
+    manager = job._dlock().manager
+    key = job.lock_key_for((4,), {})
+    first = job.apply_async((4,))
+    holder = manager.holder(key)
+    assert holder is not None
+    assert holder.queued
+    assert time.time() - holder.since < manager.settle_time  # young: not settled yet
+    read = manager.holder
+    ran: list[bool] = []
+
+    def worker_ran_meanwhile(k: str) -> Any:
+        # A worker takes the queued message's lock over, runs the task and releases the key,
+        # right after the duplicate found it queued (a fast task on an idle worker).
+        if not ran:
+            ran.append(True)
+            manager.release(manager.acquire(key, holder=first.id, takeover=first.id))
+        return read(k)
+
+    monkeypatch.setattr(manager, "holder", worker_ran_meanwhile)
+    started = time.monotonic()
+    duplicate = job.apply_async((4,))
+    waited = time.monotonic() - started
+    assert duplicate.id == first.id
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    assert waited < manager.settle_time / 2
+    app.close()
