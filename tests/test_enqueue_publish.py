@@ -308,3 +308,39 @@ def test_a_redlock_duplicate_of_a_task_without_kept_results_merges_at_once(
     assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
     assert waited < manager.settle_time / 2
     app.close()
+
+
+def test_send_task_with_a_reply_to_of_its_own_is_locked_when_one_app_registers_the_task(
+    servers: list[RedisServer],
+) -> None:
+    # One app registering the name leaves nothing to tell apart: the caller's reply_to (an RPC
+    # reply queue of its own) must not cost the message its queued lock.
+    app, job = publisher(servers[2].url, [servers[0].url], "lone", task_name="lone.job")
+    assert job.name == "lone.job"  # binds the task: the app registers the name
+    key = job.lock_key_for((7,), {})
+    sent = app.send_task("lone.job", (7,), reply_to="my-own-queue")
+    holder = job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == sent.id
+    again = app.send_task("lone.job", (7,), reply_to="my-own-queue")
+    headers = {m["headers"]["id"]: m["headers"] for m in queued_messages(app)}
+    assert headers[again.id]["dlock_duplicate_of"] == sent.id
+    app.close()
+
+
+def test_send_task_by_name_from_another_thread_is_locked_with_the_sending_apps_settings(
+    twin_apps: list[tuple[Celery, Any]],
+) -> None:
+    # An app's thread_oid is per thread: a send from a second thread carries that thread's,
+    # which the receiver (in the same thread) reads from the same app.
+    (_first_app, first_job), (second_app, second_job) = twin_apps
+    key = second_job.lock_key_for((8,), {})
+    assert second_app.thread_oid  # this thread's oid exists before the other thread's send
+    sent: list[Any] = []
+    sending = threading.Thread(target=lambda: sent.append(second_app.send_task("twin.job", (8,))))
+    sending.start()
+    sending.join(timeout=10)
+    holder = second_job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == sent[0].id
+    assert first_job._dlock().manager.holder(key) is None
