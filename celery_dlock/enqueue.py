@@ -490,22 +490,38 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
     """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
 
     Reads ``key`` until the holder settles: True once its task holds the key settled or
-    executing (its message was published), or no longer holds it but ran; False when it let
-    the key go without running (its attempt was undone: look again), or a newer attempt of
-    its task holds it, not settled yet. Raises :class:`LockUnavailable` without a quorum.
+    executing (its message was published), or no longer holds it but ran (its result backend
+    state leaves PENDING by the time it would have settled, or within ``settle_time`` of
+    when it was seen gone); False when it let the key go without running (its attempt was
+    undone: look again), or a newer attempt of its task holds it, not settled yet. Raises
+    :class:`LockUnavailable` without a quorum.
     """
     # On the holder's wall clock, but never more than settle_time from now (clocks differ).
     until = min(holder.since, time.time()) + manager.settle_time
     while True:
         now = manager.holder(key)
         if now is None or now.task_id != holder.task_id:
-            return _ran(task, holder.task_id)
+            return _ran_by(task, holder.task_id, max(until, time.time() + manager.settle_time))
         if not now.queued or (now.nonce == holder.nonce and time.time() >= until):
             return True
         if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
             return False
         # Still the same queued acquisition, not settled yet: its acquirer may still undo it.
         time.sleep(max(0.0, min(CONFIRM_POLL, until - time.time())))
+
+
+def _ran_by(task: Publisher, task_id: str | None, until: float) -> bool:
+    """Whether ``task_id``, gone from the key, ran: its state read until it is no longer
+    PENDING, or ``until`` (wall clock). A worker releases the key as the body returns and
+    stores the result only after that, so a task that ran reads PENDING for a moment; an
+    undone attempt's task (never published) reads PENDING for good."""
+    while True:
+        if _ran(task, task_id):
+            return True
+        left = until - time.time()
+        if left <= 0:
+            return False
+        time.sleep(min(CONFIRM_POLL, left))
 
 
 def _ran(task: Publisher, task_id: str | None) -> bool:

@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -344,3 +345,43 @@ def test_send_task_by_name_from_another_thread_is_locked_with_the_sending_apps_s
     assert holder is not None
     assert holder.task_id == sent[0].id
     assert first_job._dlock().manager.holder(key) is None
+
+
+def test_a_redlock_duplicate_merges_into_a_holder_that_ran_before_its_result_was_stored(
+    single_urls: list[str], redlock_urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker releases the key as the body returns and stores the result after that (Celery's
+    # tracer), so a fast task is gone from the key while its state still reads PENDING. A
+    # duplicate that found it queued and read its state in that gap took it for an undone
+    # attempt and published a second message: one call ran twice.
+    app, job = publisher(single_urls[0], redlock_urls, "gap")
+    app.conf.dlock_node_timeout = 0.5
+    manager = job._dlock().manager
+    key = job.lock_key_for((5,), {})
+    first = job.apply_async((5,))
+    read, ran = manager.holder, enqueue._ran
+    stored: list[bool] = []
+
+    def worker_ran_meanwhile(k: str) -> Any:
+        # The worker takes the queued lock over, runs the body and releases the key, right
+        # after the duplicate found it queued; its result is not stored yet.
+        if not stored:
+            manager.release(manager.acquire(key, holder=first.id, takeover=first.id))
+        return read(k)
+
+    def result_stored_after_the_first_look(task: Any, task_id: str | None) -> bool:
+        seen = ran(task, task_id)
+        if not stored:  # the worker stores the result right after this first read
+            stored.append(seen)
+            with warnings.catch_warnings():  # Celery's Redis result backend calls setex
+                warnings.simplefilter("ignore", DeprecationWarning)
+                app.backend.store_result(first.id, 5, "SUCCESS")
+        return seen
+
+    monkeypatch.setattr(manager, "holder", worker_ran_meanwhile)
+    monkeypatch.setattr(enqueue, "_ran", result_stored_after_the_first_look)
+    duplicate = job.apply_async((5,))
+    assert stored == [False]  # the duplicate did read the state in the gap
+    assert duplicate.id == first.id
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    app.close()
