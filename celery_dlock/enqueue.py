@@ -470,13 +470,16 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
 
 def _results_kept(task: Publisher) -> bool:
     """Whether a caller can wait on the task id a duplicate merges into: the task keeps its
-    results. Else merging into an attempt undone later strands no waiter, and a holder that
-    ran and let the key go could not be told from an undone one (its state stays PENDING):
-    a duplicate merges at once, as on a single Redis."""
+    results where any publisher can read them. Else merging into an attempt undone later
+    strands no waiter, and a holder that ran and let the key go could not be told from an
+    undone one (its state stays PENDING): a duplicate merges at once, as on a single Redis.
+    ``rpc://`` sends a result to the reply queue of the process that sent the task only."""
     if getattr(task, "ignore_result", False):
         return False
+    from celery.backends.rpc import RPCBackend  # only on Redlock's path: kept off import
+
     try:
-        return not isinstance(task.backend, DisabledBackend)
+        return not isinstance(task.backend, DisabledBackend | RPCBackend)
     except Exception:  # a backend that cannot even be made keeps nothing
         return False
 

@@ -274,14 +274,20 @@ def test_send_task_by_name_that_names_no_sending_app_is_not_locked_and_says_why(
     assert repr(second_app) in warned[0]
 
 
+@pytest.mark.parametrize("results", [None, "rpc://"])
 def test_a_redlock_duplicate_of_a_task_without_kept_results_merges_at_once(
-    single_urls: list[str], redlock_urls: list[str], monkeypatch: pytest.MonkeyPatch
+    single_urls: list[str],
+    redlock_urls: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    results: str | None,
 ) -> None:
     # With no result backend nobody can wait on a merged task id, so waiting for the holder to
     # settle protects nothing; and a holder that a worker ran and released before the duplicate
     # read the key again could not be told from an undone attempt (its state stays PENDING):
-    # the duplicate published a second message, so one call ran twice.
-    app, job = publisher(single_urls[0], redlock_urls, "unkept", backend=None)
+    # the duplicate published a second message, so one call ran twice. The rpc:// backend is
+    # the same for any other publisher: a result goes to the reply queue of the one that sent
+    # the task, and reads PENDING everywhere else.
+    app, job = publisher(single_urls[0], redlock_urls, "unkept", backend=results)
     app.conf.dlock_node_timeout = 0.5
     manager = job._dlock().manager
     key = job.lock_key_for((4,), {})
