@@ -541,7 +541,7 @@ def _ran(task: Publisher, task_id: str | None) -> bool:
 #: Seconds between reads of a queued holder that has not settled (Redlock, :func:`_confirm`).
 CONFIRM_POLL = 0.05
 #: Holders that had not settled and went away (undone) before a duplicate publishes without
-#: its queued lock (each try waits at most ``settle_time``).
+#: its queued lock (each try waits at most ``settle_time``, twice that for a holder seen gone).
 CONFIRM_TRIES = 3
 
 
