@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol
 
 from celery import states
+from celery.backends.base import DisabledBackend
 from celery.utils import uuid
 
 from celery_dlock.backend import Backend, PendingLease
@@ -404,7 +405,12 @@ def queue_lock(
                 revoked_checked = True
                 manager.release_nonce(key, holder.nonce)
                 continue
-            if holder.queued and manager.settle_time and not _settled(manager, holder):
+            if (
+                holder.queued
+                and manager.settle_time
+                and _results_kept(task)
+                and not _settled(manager, holder)
+            ):
                 # Redlock: the holder's attempt may yet be undone (it missed a reply), and its
                 # task id then never published. Merge only into one confirmed to hold.
                 try:
@@ -462,6 +468,22 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
     return Queued(None, holder.task_id)
 
 
+def _results_kept(task: Publisher) -> bool:
+    """Whether a caller can wait on the task id a duplicate merges into: the task keeps its
+    results where any publisher can read them. Else merging into an attempt undone later
+    strands no waiter, and a holder that ran and let the key go could not be told from an
+    undone one (its state stays PENDING): a duplicate merges at once, as on a single Redis.
+    ``rpc://`` sends a result to the reply queue of the process that sent the task only."""
+    if getattr(task, "ignore_result", False):
+        return False
+    from celery.backends.rpc import RPCBackend  # only on Redlock's path: kept off import
+
+    try:
+        return not isinstance(task.backend, DisabledBackend | RPCBackend)
+    except Exception:  # a backend that cannot even be made keeps nothing
+        return False
+
+
 def _settled(manager: Backend, holder: Holder) -> bool:
     """Whether ``holder``'s acquisition is older than its acquirer's time to undo it."""
     return time.time() - holder.since >= manager.settle_time
@@ -471,22 +493,38 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
     """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
 
     Reads ``key`` until the holder settles: True once its task holds the key settled or
-    executing (its message was published), or no longer holds it but ran; False when it let
-    the key go without running (its attempt was undone: look again), or a newer attempt of
-    its task holds it, not settled yet. Raises :class:`LockUnavailable` without a quorum.
+    executing (its message was published), or no longer holds it but ran (its result backend
+    state leaves PENDING by the time it would have settled, or within ``settle_time`` of
+    when it was seen gone); False when it let the key go without running (its attempt was
+    undone: look again), or a newer attempt of its task holds it, not settled yet. Raises
+    :class:`LockUnavailable` without a quorum.
     """
     # On the holder's wall clock, but never more than settle_time from now (clocks differ).
     until = min(holder.since, time.time()) + manager.settle_time
     while True:
         now = manager.holder(key)
         if now is None or now.task_id != holder.task_id:
-            return _ran(task, holder.task_id)
+            return _ran_by(task, holder.task_id, max(until, time.time() + manager.settle_time))
         if not now.queued or (now.nonce == holder.nonce and time.time() >= until):
             return True
         if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
             return False
         # Still the same queued acquisition, not settled yet: its acquirer may still undo it.
         time.sleep(max(0.0, min(CONFIRM_POLL, until - time.time())))
+
+
+def _ran_by(task: Publisher, task_id: str | None, until: float) -> bool:
+    """Whether ``task_id``, gone from the key, ran: its state read until it is no longer
+    PENDING, or ``until`` (wall clock). A worker releases the key as the body returns and
+    stores the result only after that, so a task that ran reads PENDING for a moment; an
+    undone attempt's task (never published) reads PENDING for good."""
+    while True:
+        if _ran(task, task_id):
+            return True
+        left = until - time.time()
+        if left <= 0:
+            return False
+        time.sleep(min(CONFIRM_POLL, left))
 
 
 def _ran(task: Publisher, task_id: str | None) -> bool:
@@ -503,7 +541,7 @@ def _ran(task: Publisher, task_id: str | None) -> bool:
 #: Seconds between reads of a queued holder that has not settled (Redlock, :func:`_confirm`).
 CONFIRM_POLL = 0.05
 #: Holders that had not settled and went away (undone) before a duplicate publishes without
-#: its queued lock (each try waits at most ``settle_time``).
+#: its queued lock (each try waits at most ``settle_time``, twice that for a holder seen gone).
 CONFIRM_TRIES = 3
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -271,3 +272,122 @@ def test_send_task_by_name_that_names_no_sending_app_is_not_locked_and_says_why(
     assert len(warned) == 1
     assert repr(first_app) in warned[0]
     assert repr(second_app) in warned[0]
+
+
+@pytest.mark.parametrize("results", [None, "rpc://"])
+def test_a_redlock_duplicate_of_a_task_without_kept_results_merges_at_once(
+    single_urls: list[str],
+    redlock_urls: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    results: str | None,
+) -> None:
+    # With no result backend nobody can wait on a merged task id, so waiting for the holder to
+    # settle protects nothing; and a holder that a worker ran and released before the duplicate
+    # read the key again could not be told from an undone attempt (its state stays PENDING):
+    # the duplicate published a second message, so one call ran twice. The rpc:// backend is
+    # the same for any other publisher: a result goes to the reply queue of the one that sent
+    # the task, and reads PENDING everywhere else.
+    app, job = publisher(single_urls[0], redlock_urls, "unkept", backend=results)
+    app.conf.dlock_node_timeout = 0.5
+    manager = job._dlock().manager
+    key = job.lock_key_for((4,), {})
+    first = job.apply_async((4,))
+    holder = manager.holder(key)
+    assert holder is not None
+    assert holder.queued
+    assert time.time() - holder.since < manager.settle_time  # young: not settled yet
+    read = manager.holder
+    ran: list[bool] = []
+
+    def worker_ran_meanwhile(k: str) -> Any:
+        # A worker takes the queued message's lock over, runs the task and releases the key,
+        # right after the duplicate found it queued (a fast task on an idle worker).
+        if not ran:
+            ran.append(True)
+            manager.release(manager.acquire(key, holder=first.id, takeover=first.id))
+        return read(k)
+
+    monkeypatch.setattr(manager, "holder", worker_ran_meanwhile)
+    started = time.monotonic()
+    duplicate = job.apply_async((4,))
+    waited = time.monotonic() - started
+    assert duplicate.id == first.id
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    assert waited < manager.settle_time / 2
+    app.close()
+
+
+def test_send_task_with_a_reply_to_of_its_own_is_locked_when_one_app_registers_the_task(
+    servers: list[RedisServer],
+) -> None:
+    # One app registering the name leaves nothing to tell apart: the caller's reply_to (an RPC
+    # reply queue of its own) must not cost the message its queued lock.
+    app, job = publisher(servers[2].url, [servers[0].url], "lone", task_name="lone.job")
+    assert job.name == "lone.job"  # binds the task: the app registers the name
+    key = job.lock_key_for((7,), {})
+    sent = app.send_task("lone.job", (7,), reply_to="my-own-queue")
+    holder = job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == sent.id
+    again = app.send_task("lone.job", (7,), reply_to="my-own-queue")
+    headers = {m["headers"]["id"]: m["headers"] for m in queued_messages(app)}
+    assert headers[again.id]["dlock_duplicate_of"] == sent.id
+    app.close()
+
+
+def test_send_task_by_name_from_another_thread_is_locked_with_the_sending_apps_settings(
+    twin_apps: list[tuple[Celery, Any]],
+) -> None:
+    # An app's thread_oid is per thread: a send from a second thread carries that thread's,
+    # which the receiver (in the same thread) reads from the same app.
+    (_first_app, first_job), (second_app, second_job) = twin_apps
+    key = second_job.lock_key_for((8,), {})
+    assert second_app.thread_oid  # this thread's oid exists before the other thread's send
+    sent: list[Any] = []
+    sending = threading.Thread(target=lambda: sent.append(second_app.send_task("twin.job", (8,))))
+    sending.start()
+    sending.join(timeout=10)
+    holder = second_job._dlock().manager.holder(key)
+    assert holder is not None
+    assert holder.task_id == sent[0].id
+    assert first_job._dlock().manager.holder(key) is None
+
+
+def test_a_redlock_duplicate_merges_into_a_holder_that_ran_before_its_result_was_stored(
+    single_urls: list[str], redlock_urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker releases the key as the body returns and stores the result after that (Celery's
+    # tracer), so a fast task is gone from the key while its state still reads PENDING. A
+    # duplicate that found it queued and read its state in that gap took it for an undone
+    # attempt and published a second message: one call ran twice.
+    app, job = publisher(single_urls[0], redlock_urls, "gap")
+    app.conf.dlock_node_timeout = 0.5
+    manager = job._dlock().manager
+    key = job.lock_key_for((5,), {})
+    first = job.apply_async((5,))
+    read, ran = manager.holder, enqueue._ran
+    stored: list[bool] = []
+
+    def worker_ran_meanwhile(k: str) -> Any:
+        # The worker takes the queued lock over, runs the body and releases the key, right
+        # after the duplicate found it queued; its result is not stored yet.
+        if not stored:
+            manager.release(manager.acquire(key, holder=first.id, takeover=first.id))
+        return read(k)
+
+    def result_stored_after_the_first_look(task: Any, task_id: str | None) -> bool:
+        seen = ran(task, task_id)
+        if not stored:  # the worker stores the result right after this first read
+            stored.append(seen)
+            with warnings.catch_warnings():  # Celery's Redis result backend calls setex
+                warnings.simplefilter("ignore", DeprecationWarning)
+                app.backend.store_result(first.id, 5, "SUCCESS")
+        return seen
+
+    monkeypatch.setattr(manager, "holder", worker_ran_meanwhile)
+    monkeypatch.setattr(enqueue, "_ran", result_stored_after_the_first_look)
+    duplicate = job.apply_async((5,))
+    assert stored == [False]  # the duplicate did read the state in the gap
+    assert duplicate.id == first.id
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    app.close()
