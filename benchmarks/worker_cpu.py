@@ -14,6 +14,12 @@ and then consumed at once) and counts only what noise on a shared host does not 
   them; main process and children apart);
 * the lock Redis's CPU per task (``INFO cpu``) and its commands per task with the server's
   own time in them (``INFO commandstats``): the servers share the host's CPUs with the worker;
+* with ``--callgrind N``, instructions per task of a ``-P solo`` worker, which consumes and
+  runs the tasks in one process (valgrind's callgrind, the whole worker run under it;
+  counters zeroed with ``callgrind_control -z`` after the warm-up and read with ``-e Ir``
+  once N results are stored; ``PYTHONHASHSEED=0``): what CPU time only estimates, in a real
+  worker. Solo, because callgrind_control reaches only the process valgrind started, not
+  the children a prefork worker forks;
 * with ``--strace``, system calls per task by name, main process and pool children apart
   (``strace -c -f``, attached after the warm-up and detached once every result is stored;
   strace slows the worker, so its CPU figures come from the rounds without it).
@@ -252,6 +258,45 @@ def measure_round(
     return result
 
 
+def callgrind_round(env: Env, row: str, task_name: str, tasks: int, tmp: Path) -> dict[str, float]:
+    """Instructions per task of a solo worker (one process), the whole worker under
+    callgrind (see the module docstring)."""
+    env.fresh()
+    task = env.app.tasks[task_name]
+    env.serial += 1
+    settings = {**env.worker_env["single"], "BENCH_WORKER_CPUS": env.worker_cpus}
+    worker = Worker({**settings, "PYTHONHASHSEED": "0"}, f"{row}-cg{env.serial}", 1)
+    worker.pool = "solo"
+    worker.prefix = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p"]
+    worker.start(env.journal, timeout=900)
+    try:
+        warm_up(env, task, env.serial * 1_000_000)
+        first = env.serial * 1_000_000 + env.warmup
+        for i in range(tasks):
+            task.delay(first + i)
+        assert worker.process is not None
+        pid = worker.process.pid
+        subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
+        consume(env, worker, tasks)
+        wait_results(env.backend, tasks, env.timeout * 30, f"callgrind {row}")
+        count = counted(pid)
+    finally:
+        worker.stop()
+    return {"solo_k": count / tasks / 1000}
+
+
+def counted(pid: int) -> int:
+    """Instructions callgrind counted in ``pid`` (all its threads) since its counters were
+    zeroed, read live (``callgrind_control -e Ir``: one line per thread)."""
+    done = subprocess.run(
+        ["callgrind_control", "-e", "Ir", str(pid)], check=True, capture_output=True, text=True
+    )
+    per_thread = re.findall(r"^\s*Th\s+\d+\s+([\d,]+)", done.stdout, re.MULTILINE)
+    if not per_thread:
+        raise RuntimeError(f"no counts from callgrind_control for {pid}: {done.stdout}")
+    return sum(int(n.replace(",", "")) for n in per_thread)
+
+
 def median_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over rounds of every number, nested as in one round."""
     first = rounds[0]
@@ -300,11 +345,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         rounds: dict[str, list[dict[str, Any]]] = {row: [] for row in args.rows}
         traced: dict[str, dict[str, Any]] = {}
+        instructions: dict[str, dict[str, float]] = {}
         for rnd in range(args.rounds):
             for row in args.rows if rnd % 2 == 0 else args.rows[::-1]:
                 r = measure_round(env, row, names[row], args.tasks, False, Path(tmp))
                 rounds[row].append(r)
                 say(args, f"round {rnd + 1} {row}: {summary_line(r)}")
+        for row in args.rows if args.callgrind else ():
+            instructions[row] = callgrind_round(env, row, names[row], args.callgrind, Path(tmp))
+            say(args, f"callgrind {row}: {instructions[row]}")
         if args.strace:
             for row in args.rows:
                 traced[row] = measure_round(env, row, names[row], args.tasks, True, Path(tmp))
@@ -318,9 +367,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "pin": placement,
         },
-        "rows": {row: median_of(r) for row, r in rounds.items()},
+        "rows": {row: median_of(r) for row, r in rounds.items() if r},
         "rounds": rounds,
         "strace": {row: r["syscalls"] for row, r in traced.items()},
+        "callgrind": instructions,
     }
 
 
@@ -377,6 +427,10 @@ def print_report(result: dict[str, Any]) -> None:
     for row, r in rows.items():
         for role, g in sorted(r.get("gc", {}).items()):
             print(f"  {row:<14} {role:<9} {g}")
+    if result.get("callgrind"):
+        print("\nk instructions per task (callgrind, a -P solo worker under it)")
+        for row, c in result["callgrind"].items():
+            print(f"  {row:<14} {c['solo_k']:8.1f}")
     if result["strace"]:
         print("\nsystem calls per task (strace -c -f; a traced round)")
         for row, roles in result["strace"].items():
@@ -395,6 +449,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="warm-up tasks per worker")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each wait")
     parser.add_argument("--pin", choices=("split", "same", "none"), default="split")
+    parser.add_argument(
+        "--callgrind",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one round per row of N tasks, the worker under callgrind: instructions per task",
+    )
     parser.add_argument("--strace", action="store_true", help="one more round per row, traced")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
