@@ -58,6 +58,49 @@ if os.environ.get("BENCH_WORKER_CPUS"):
 
 _journal: redis.Redis | None = None
 
+#: With ``BENCH_PROBE`` set (``worker_cpu.py``): threads carry their Python name in the OS
+#: (``/proc/<pid>/task/<tid>/comm``), and every process logs its cyclic-GC collections.
+PROBE = bool(os.environ.get("BENCH_PROBE"))
+GC_KEY = "bench:gc"  # one JSON list per process at its exit: [monotonic start, gen, seconds]
+_collections: list[tuple[float, int, float]] = []
+_gc_started = 0.0
+
+if PROBE:
+    import ctypes
+    import gc
+    import json
+    import threading
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    _bootstrap_inner = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def _named_bootstrap(self: threading.Thread) -> None:
+        _prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: this thread's comm
+        _bootstrap_inner(self)
+
+    threading.Thread._bootstrap_inner = _named_bootstrap  # type: ignore[attr-defined]
+
+    def _gc_probe(phase: str, info: dict[str, Any]) -> None:
+        global _gc_started
+        if phase == "start":
+            _gc_started = time.monotonic()
+        else:
+            _collections.append((_gc_started, info["generation"], time.monotonic() - _gc_started))
+
+    gc.callbacks.append(_gc_probe)
+
+    @signals.worker_process_init.connect
+    def _forget_parents_collections(**_: Any) -> None:
+        _collections.clear()
+
+    @signals.worker_process_shutdown.connect
+    def _report_collections(**_: Any) -> None:
+        journal().rpush(GC_KEY, json.dumps({"pid": os.getpid(), "gc": _collections}))
+
+    @signals.worker_shutdown.connect
+    def _report_parents_collections(**_: Any) -> None:
+        journal().rpush(GC_KEY, json.dumps({"pid": os.getpid(), "gc": _collections}))
+
 
 def journal() -> redis.Redis:
     global _journal

@@ -163,11 +163,14 @@ class Worker:
         self.logdir = Path(tempfile.mkdtemp(prefix="bench-worker-"))
         self.logfile = self.logdir / "worker.log"
         self.process: subprocess.Popen[bytes] | None = None
+        #: Put before the command (``worker_cpu.py --callgrind``: valgrind and its options).
+        self.prefix: list[str] = []
+        self.pool = "prefork"
 
     def start(self, journal: redis.Redis, timeout: float = 60.0) -> None:
         args = [
-            sys.executable, "-m", "celery", "-A", APP_MODULE, "worker",
-            "-P", "prefork", "-c", str(self.concurrency), "-n", self.hostname,
+            *self.prefix, sys.executable, "-m", "celery", "-A", APP_MODULE, "worker",
+            "-P", self.pool, "-c", str(self.concurrency), "-n", self.hostname,
             "-Q", IDLE_QUEUE, "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-l", "WARNING", "--logfile", str(self.logfile),
         ]  # fmt: skip
