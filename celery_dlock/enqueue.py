@@ -37,6 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol
 
@@ -371,9 +372,7 @@ def queue_lock(
     if running is not None:  # a retry of the running execution: the key goes with the message
         return _pass_to_retry(manager, running, key, ttl)
     first = early.pending if early is not None else None
-    splits = 0
-    confirms = 0
-    revoked_checked = False
+    looks = _Looks()
     while True:
         try:
             if first is not None:
@@ -385,61 +384,81 @@ def queue_lock(
                 # or the body would run once per message. Its retry's key comes by hand_over.
                 queued = manager.acquire(key, ttl=ttl, holder=task_id, renew=False, queued=True)
         except LockUnavailable as exc:
-            log.warning(
-                "task %s[%s] published without its queued lock: %s", task.name, task_id, exc
-            )
-            return Queued(None, None)
+            return _unlocked(task, task_id, exc)
         except LockContended as exc:
-            holder = exc.holder
-            if holder is None and exc.retry_after is None and splits < QUEUE_SPLIT_RETRIES:
-                # Redlock contenders collided and nobody holds a majority yet; one of them
-                # soon will. Look again rather than publish a second message for the key.
-                splits += 1
-                time.sleep(random.uniform(0.0, 0.01 * splits))
+            outcome = _after_refusal(task, manager, key, task_id, exc, looks)
+            if outcome is None:
                 continue
-            if holder is None or holder.task_id is None:
-                return Queued(None, None)
-            if not revoked_checked and holder.queued and _revoked(task, holder.task_id):
-                # The queued task was revoked before any worker saw it: its lock (that one
-                # acquisition, not whatever holds the key by then) is free to go.
-                revoked_checked = True
-                manager.release_nonce(key, holder.nonce)
-                continue
-            if (
-                holder.queued
-                and manager.settle_time
-                and _results_kept(task)
-                and not _settled(manager, holder)
-            ):
-                # Redlock: the holder's attempt may yet be undone (it missed a reply), and its
-                # task id then never published. Merge only into one confirmed to hold.
-                try:
-                    confirmed = _confirm(task, manager, key, holder)
-                except LockUnavailable as exc:
-                    log.warning(
-                        "task %s[%s] published without its queued lock: %s",
-                        task.name,
-                        task_id,
-                        exc,
-                    )
-                    return Queued(None, None)
-                if not confirmed:
-                    confirms += 1
-                    if confirms < CONFIRM_TRIES:
-                        continue
-                    log.warning(
-                        "task %s[%s] published without its queued lock: the holders of %r "
-                        "kept changing before they settled",
-                        task.name,
-                        task_id,
-                        key,
-                    )
-                    return Queued(None, None)
-            return _merged(task, key, task_id, holder)
+            return outcome
         manager.forget(queued)
         if early is not None:
             early.taken = True
         return Queued(key, None, head_nonce(queued.head))
+
+
+@dataclass
+class _Looks:
+    """What one publish has tried so far for its queued lock (the loop of :func:`queue_lock`)."""
+
+    #: Looks again after Redlock contenders collided with nobody holding a majority.
+    splits: int = 0
+    #: Holders that had not settled and went away before they did (Redlock).
+    confirms: int = 0
+    #: Whether the holder's task was already checked for a revoke.
+    revoked_checked: bool = False
+
+
+def _after_refusal(
+    task: Publisher,
+    manager: Backend,
+    key: str,
+    task_id: str,
+    refusal: LockContended,
+    looks: _Looks,
+) -> Queued | None:
+    """What a refused attempt at the queued lock leads to: ``None`` to try again, else what
+    the message goes out with (merged into the holder, or without its queued lock)."""
+    holder = refusal.holder
+    if holder is None and refusal.retry_after is None and looks.splits < QUEUE_SPLIT_RETRIES:
+        # Redlock contenders collided and nobody holds a majority yet; one of them soon
+        # will. Look again rather than publish a second message for the key.
+        looks.splits += 1
+        time.sleep(random.uniform(0.0, 0.01 * looks.splits))
+        return None
+    if holder is None or holder.task_id is None:
+        return Queued(None, None)
+    if not looks.revoked_checked and holder.queued and _revoked(task, holder.task_id):
+        # The queued task was revoked before any worker saw it: its lock (that one
+        # acquisition, not whatever holds the key by then) is free to go.
+        looks.revoked_checked = True
+        manager.release_nonce(key, holder.nonce)
+        return None
+    if (
+        holder.queued
+        and manager.settle_time
+        and _results_kept(task)
+        and not _settled(manager, holder)
+    ):
+        # Redlock: the holder's attempt may yet be undone (it missed a reply), and its task
+        # id then never published. Merge only into one confirmed to hold.
+        try:
+            confirmed = _confirm(task, manager, key, holder)
+        except LockUnavailable as exc:
+            return _unlocked(task, task_id, exc)
+        if not confirmed:
+            looks.confirms += 1
+            if looks.confirms < CONFIRM_TRIES:
+                return None
+            return _unlocked(
+                task, task_id, f"the holders of {key!r} kept changing before they settled"
+            )
+    return _merged(task, key, task_id, holder)
+
+
+def _unlocked(task: Publisher, task_id: str, why: object) -> Queued:
+    """The message goes out without its queued lock (the execution-time lock still holds)."""
+    log.warning("task %s[%s] published without its queued lock: %s", task.name, task_id, why)
+    return Queued(None, None)
 
 
 def _pass_to_retry(manager: Backend, running: Lease, key: str, ttl: float) -> Queued:

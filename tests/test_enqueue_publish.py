@@ -4,6 +4,7 @@ about what a publisher sends (the worker side is in test_singleton.py)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -43,6 +44,15 @@ def publisher(
         return n
 
     return app, job
+
+
+@pytest.fixture
+def own_servers(servers: list[RedisServer]) -> Iterator[list[RedisServer]]:
+    """Six servers of this test's own, with its garbage collected before they stop: a sent
+    message's AsyncResult can sit in a reference cycle, and collected once its result Redis
+    is gone, its unsubscribe fails in ``__del__`` and pytest blames whichever test runs then."""
+    yield servers
+    gc.collect()
 
 
 @pytest.fixture
@@ -121,7 +131,7 @@ def test_many_distinct_keys_each_hold_their_queued_lock(
 
 
 def test_a_redlock_duplicate_never_merges_into_an_undone_attempt(
-    single_urls: list[str], servers: list[RedisServer], monkeypatch: pytest.MonkeyPatch
+    single_urls: list[str], own_servers: list[RedisServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Publisher A's attempt takes nodes 1 and 2 of three, but node 2's reply comes after
     # A's dlock_node_timeout and node 3 refuses (another value there): A sees no majority
@@ -129,7 +139,7 @@ def test_a_redlock_duplicate_never_merges_into_an_undone_attempt(
     # majority and used to merge into A's task id at once. A then tries again with a new
     # nonce and finds publisher C holding the key (C published the moment A undid): A merges
     # into C and never publishes its own id, so B's result never came.
-    nodes = servers[:3]
+    nodes = own_servers[:3]
     task = "race.job"
     with FaultProxy(nodes[1].port) as proxy:
         urls_a = [nodes[0].url, proxy.url, nodes[2].url]
@@ -216,11 +226,11 @@ def test_a_redlock_duplicate_waits_only_while_the_holder_may_still_be_undone(
 
 
 @pytest.fixture
-def twin_apps(servers: list[RedisServer]) -> Iterator[list[tuple[Celery, Any]]]:
+def twin_apps(own_servers: list[RedisServer]) -> Iterator[list[tuple[Celery, Any]]]:
     """Two apps in this process, each with its own broker and lock Redis, registering the
     same enqueue-time task name (as a shared task copied into both would be)."""
     twins = [
-        publisher(servers[2 + i].url, [servers[i].url], f"twin{i}", task_name="twin.job")
+        publisher(own_servers[2 + i].url, [own_servers[i].url], f"twin{i}", task_name="twin.job")
         for i in range(2)
     ]
     for _, job in twins:
@@ -318,11 +328,11 @@ def test_a_redlock_duplicate_of_a_task_without_kept_results_merges_at_once(
 
 
 def test_send_task_with_a_reply_to_of_its_own_is_locked_when_one_app_registers_the_task(
-    servers: list[RedisServer],
+    own_servers: list[RedisServer],
 ) -> None:
     # One app registering the name leaves nothing to tell apart: the caller's reply_to (an RPC
     # reply queue of its own) must not cost the message its queued lock.
-    app, job = publisher(servers[2].url, [servers[0].url], "lone", task_name="lone.job")
+    app, job = publisher(own_servers[2].url, [own_servers[0].url], "lone", task_name="lone.job")
     assert job.name == "lone.job"  # binds the task: the app registers the name
     key = job.lock_key_for((7,), {})
     sent = app.send_task("lone.job", (7,), reply_to="my-own-queue")
