@@ -251,13 +251,16 @@ def test_enqueue_mode_returns_the_queued_task_to_duplicates(
     # used to merge into its task id, never published (CI once saw by_name dropped as a
     # duplicate of a task id no caller got); they now merge only into a holder that settled
     # (test_enqueue_publish.py), but a publish without its queued lock would still fail here.
+    # The send by name too: with 0.5 s, a starved node made it go out without its queued lock
+    # once in a fresh-clone run (it then waited for the first run and ran its body).
     with node_timeout(wa.app, 2.0):
         results = publish_together(wa.enqueued, ("queued", 1.5), 25)
-    assert len({r.id for r in results}) == 1
-    by_name = wa.app.send_task("tests.worker_app.enqueued", ("queued", 1.5))
+        assert len({r.id for r in results}) == 1
+        by_name = wa.app.send_task("tests.worker_app.enqueued", ("queued", 1.5))
     assert by_name.id != results[0].id
     assert results[0].get(timeout=10) == "queued"
     dropped = by_name.get(timeout=10)
+    assert isinstance(dropped, dict), f"the send by name ran its body: {dropped!r}"
     assert dropped["dlock_dropped"] is True
     assert dropped["holder"] == results[0].id
     assert len(journal.select("start", name="queued")) == 1
