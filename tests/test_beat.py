@@ -90,13 +90,16 @@ def test_two_stock_beats_run_every_tick_exactly_once(
     second.stop()
     starts = settle(journal, "ticks")
     assert starts, "nothing ran"
-    # Every tick ran once, whichever beat sent it, and none was skipped: each run names its
-    # slot (the dlock_tick header, "<entry>:<slot>"), and the slots are distinct and follow
-    # one another. Slots, not start times: a worker slow to take one message (a loaded
-    # machine) makes two runs' starts close without any tick having run twice.
+    # Every tick ran once, whichever beat sent it: each run names its slot (the dlock_tick
+    # header, "<entry>:<slot>", the 1 s period its send fell in on a grid shared by both
+    # beats), and no slot ran twice. Slots, not start times: a worker slow to take one message
+    # (a loaded machine) makes two runs' starts close without any tick having run twice.
     slots = sorted(int(s["tick"].rsplit(":", 1)[1]) for s in starts)
     assert len(set(slots)) == len(slots), f"a tick ran twice: {slots}"
-    assert slots == list(range(slots[0], slots[0] + len(slots))), f"a tick was skipped: {slots}"
+    # None was lost: a stock beat sends a period after its last send, so a late wake-up moves
+    # its sends along the grid and can step over one slot, never two.
+    steps = [b - a for a, b in itertools.pairwise(slots)]
+    assert max(steps) <= 2, f"a tick was lost: {slots}"
     assert len(starts) >= 18, f"only {len(starts)} runs in 20 s"
     # Both beats did send every tick: the worker dropped the second copy of each.
     senders = {s["beat"] for s in starts}
