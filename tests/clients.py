@@ -15,6 +15,13 @@ def client(url: str) -> redis.Redis:
     return found
 
 
+def idle_timeout(url: str, seconds: int) -> None:
+    """``CONFIG SET timeout`` on a connection of its own: with a timeout set, the shared client
+    may have idled past it meanwhile and been closed by the server."""
+    with redis.Redis.from_url(url) as fresh:
+        fresh.config_set("timeout", seconds)
+
+
 def close_all() -> None:
     for found in _clients.values():
         found.close()

@@ -34,7 +34,7 @@ from celery_dlock.redis.redlock import LockManager
 from celery_dlock.redis.resends import CONFIRM_GRACE
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
-from tests.clients import client
+from tests.clients import client, idle_timeout
 from tests.proxy import FaultProxy
 
 pytestmark = [pytest.mark.local_redis, pytest.mark.slow]
@@ -203,7 +203,7 @@ def _before(env: Env, fault: str) -> None:
         try:
             proxy.wait_closed(idle, 5.0)
         finally:
-            raw.config_set("timeout", 0)
+            idle_timeout(server.url, 0)
     elif fault == "client-kill":
         # Only the proxy's connections: the test's own client is not through the proxy.
         for pair in existing:

@@ -17,7 +17,7 @@ from celery_dlock import LockContended, LockLost, LockUnavailable, lock, lock_lo
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
-from tests.clients import client
+from tests.clients import client, idle_timeout
 from tests.proxy import FaultProxy
 
 pytestmark = pytest.mark.local_redis
@@ -61,7 +61,7 @@ def test_release_without_waiting_after_the_server_closed_the_connection(
             while time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
-            raw.config_set("timeout", 0)
+            idle_timeout(server.url, 0)
     else:
         raw.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
     assert not lease.lost
