@@ -216,10 +216,13 @@ class RedisServer:
 @contextmanager
 def redis_servers(count: int, **options: object) -> Iterator[list[RedisServer]]:
     """Start ``count`` independent servers (five for Redlock), stopped again on exit."""
-    servers = [RedisServer(**options) for _ in range(count)]  # type: ignore[arg-type]
+    servers: list[RedisServer] = []
     try:
-        for server in servers:
-            server.start()
+        # Each started before the next picks its port: a free port is free only until someone
+        # binds it, and two picks in a row can return the same one.
+        for _ in range(count):
+            servers.append(RedisServer(**options))  # type: ignore[arg-type]
+            servers[-1].start()
         yield servers
     finally:
         for server in servers:

@@ -116,10 +116,11 @@ def test_the_docs_table_has_exactly_the_suites_cells() -> None:
 
 @pytest.fixture(scope="module")
 def aof_servers() -> Iterator[list[RedisServer]]:
-    started = [RedisServer(appendonly=True) for _ in range(3)]
+    started: list[RedisServer] = []
     try:
-        for server in started:
-            server.start()
+        for _ in range(3):  # each started before the next picks a free port
+            started.append(RedisServer(appendonly=True))
+            started[-1].start()
         yield started
     finally:
         for server in started:

@@ -351,13 +351,11 @@ class RedlockModel(RuleBasedStateMachine):
 
 @pytest.fixture(scope="module", params=[3, 5], ids=["3-nodes", "5-nodes"])
 def model_servers(request: pytest.FixtureRequest) -> Iterator[list[RedisServer]]:
-    started = [
-        RedisServer(appendonly=True, extra_args=["--appendfsync", "always"])
-        for _ in range(request.param)
-    ]
+    started: list[RedisServer] = []
     try:
-        for server in started:
-            server.start()
+        for _ in range(request.param):  # each started before the next picks a free port
+            started.append(RedisServer(appendonly=True, extra_args=["--appendfsync", "always"]))
+            started[-1].start()
         yield started
     finally:
         for server in started:
@@ -415,12 +413,11 @@ class _Pick:
 def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[RedlockModel]:
     """The model over three fresh nodes, for steps a test scripts itself."""
     monkeypatch.setattr(f"{__name__}.note", print)  # hypothesis's note() needs its run
-    servers = [
-        RedisServer(appendonly=True, extra_args=["--appendfsync", "always"]) for _ in range(3)
-    ]
+    servers: list[RedisServer] = []
     try:
-        for server in servers:
-            server.start()
+        for _ in range(3):  # each started before the next picks a free port
+            servers.append(RedisServer(appendonly=True, extra_args=["--appendfsync", "always"]))
+            servers[-1].start()
         app = Celery("model-scripted", set_as_current=False)
         app.conf.dlock_urls = [s.url for s in servers]
         app.conf.dlock_node_timeout = NODE_TIMEOUT
