@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from celery_dlock.errors import LockLost
-from celery_dlock.signals import lock_lost
+from celery_dlock.signals import lock_lost, lock_released
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -174,6 +174,19 @@ class Lease:
         self.renewals += 1
         if self.renew_interval is not None:
             self.next_renewal = started + self.renew_interval
+
+    def announce_released(self, confirmed: bool | None) -> None:
+        """Send :data:`lock_released` for this lease (the backends' release paths call it);
+        nothing to build when nobody listens."""
+        if lock_released.receivers:
+            lock_released.send(
+                sender=self.sender,
+                key=self.key,
+                token=self.token,
+                task_id=self.holder,
+                held_for=time.monotonic() - self.acquired_at,
+                confirmed=confirmed,
+            )
 
     def mark_lost(self, reason: str) -> bool:
         """Record the loss and run the callbacks; False if it was already lost or released."""

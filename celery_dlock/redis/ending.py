@@ -25,7 +25,6 @@ from celery_dlock.redis.resends import Resend
 from celery_dlock.redis.sending import send_script
 from celery_dlock.redis.transport import run_script
 from celery_dlock.renewal import watchdog
-from celery_dlock.signals import lock_released
 
 log_release = logging.getLogger("celery_dlock.release")
 
@@ -79,15 +78,7 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
             late_keys, late_args = late_release(lease, keys)
             janitor.release(list(dict.fromkeys(owed)), late_keys, late_args, until, lease.ttl)
     confirmed = sum(1 for r in replies if r == 1) >= m.quorum if wait else None
-    if lock_released.receivers:  # sending costs a call and a dict even to nobody
-        lock_released.send(
-            sender=lease.sender,
-            key=lease.key,
-            token=lease.token,
-            task_id=lease.holder,
-            held_for=time.monotonic() - lease.acquired_at,
-            confirmed=confirmed,
-        )
+    lease.announce_released(confirmed)
     if confirmed is None:
         return False
     failed = [

@@ -12,7 +12,6 @@ from kazoo.exceptions import NoNodeError
 
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.lease import Lease
-from celery_dlock.signals import lock_released
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.lease import ZkLease
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE
@@ -51,14 +50,7 @@ def release(space: Keyspace, lease: Lease, *, wait: bool = True) -> bool:
                 lease.token,
                 exc,
             )
-    lock_released.send(
-        sender=lease.sender,
-        key=lease.key,
-        token=lease.token,
-        task_id=lease.holder,
-        held_for=time.monotonic() - lease.acquired_at,
-        confirmed=confirmed,
-    )
+    lease.announce_released(confirmed)
     return bool(confirmed)
 
 
