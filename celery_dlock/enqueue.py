@@ -520,30 +520,31 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
     """
     # On the holder's wall clock, but never more than settle_time from now (clocks differ).
     until = min(holder.since, time.time()) + manager.settle_time
+    gone_until: float | None = None
     while True:
         now = manager.holder(key)
-        if now is None or now.task_id != holder.task_id:
-            return _ran_by(task, holder.task_id, max(until, time.time() + manager.settle_time))
-        if not now.queued or (now.nonce == holder.nonce and time.time() >= until):
-            return True
-        if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
-            return False
-        # Still the same queued acquisition, not settled yet: its acquirer may still undo it.
-        time.sleep(max(0.0, min(CONFIRM_POLL, until - time.time())))
-
-
-def _ran_by(task: Publisher, task_id: str | None, until: float) -> bool:
-    """Whether ``task_id``, gone from the key, ran: its state read until it is no longer
-    PENDING, or ``until`` (wall clock). A worker releases the key as the body returns and
-    stores the result only after that, so a task that ran reads PENDING for a moment; an
-    undone attempt's task (never published) reads PENDING for good."""
-    while True:
-        if _ran(task, task_id):
-            return True
-        left = until - time.time()
-        if left <= 0:
-            return False
-        time.sleep(min(CONFIRM_POLL, left))
+        if now is not None and now.task_id == holder.task_id:
+            if not now.queued:  # its execution holds the key: the message was published
+                return True
+            if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
+                return False
+            if time.time() >= until:
+                return True
+            # Still the same queued acquisition, not settled yet: its acquirer may undo it.
+            wait_until = until
+        else:
+            # Gone, or another task's, or no majority for one value (a read in the middle of
+            # the worker's take-over): it ran if its state left PENDING. The key is read again
+            # too, so an execution seen holding it confirms at once, not when its run ends
+            # (a task's state stays PENDING while it runs unless it tracks STARTED).
+            if _ran(task, holder.task_id):
+                return True
+            if gone_until is None:
+                gone_until = max(until, time.time() + manager.settle_time)
+            if time.time() >= gone_until:
+                return False
+            wait_until = gone_until
+        time.sleep(max(0.0, min(CONFIRM_POLL, wait_until - time.time())))
 
 
 def _ran(task: Publisher, task_id: str | None) -> bool:

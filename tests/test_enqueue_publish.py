@@ -401,3 +401,48 @@ def test_a_redlock_duplicate_merges_into_a_holder_that_ran_before_its_result_was
     assert duplicate.id == first.id
     assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
     app.close()
+
+
+def test_a_redlock_duplicate_of_a_holder_its_worker_is_taking_over_merges_at_once(
+    single_urls: list[str], redlock_urls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A duplicate found the key queued, not settled, and read it again while a worker was taking
+    # it over node by node: no value on a majority. It took the holder for gone and waited for
+    # its state to leave PENDING, which a running task without track_started does only when its
+    # run ends (CI: 24 duplicates blocked for the whole of a 4 s run). It reads the key again
+    # and merges as soon as the execution holds it.
+    app, job = publisher(single_urls[0], redlock_urls, "takeover")
+    app.conf.dlock_node_timeout = 1.0
+    manager = job._dlock().manager
+    key = job.lock_key_for((6,), {})
+    redis_key = f"dlock:{{{key}}}"
+    nodes = [client(url) for url in redlock_urls]
+    first = job.apply_async((6,))
+    queued_value = nodes[0].get(redis_key)
+    read = manager.holder
+    reads: list[Any] = []
+
+    def worker_taking_over(k: str) -> Any:
+        # First look: the take-over reached nodes 3 and 4, node 5 has missed both values; then
+        # it completes everywhere. The result state stays PENDING throughout (still running).
+        if not reads:
+            manager.acquire(key, holder=first.id, takeover=first.id, renew=False)
+            for n in nodes[:2]:
+                n.set(redis_key, queued_value, px=60_000)
+            nodes[4].delete(redis_key)
+        elif len(reads) == 1:
+            manager.acquire(key, holder=first.id, takeover=first.id, renew=False)
+        reads.append(read(k))
+        return reads[-1]
+
+    monkeypatch.setattr(manager, "holder", worker_taking_over)
+    started = time.monotonic()
+    duplicate = job.apply_async((6,))
+    waited = time.monotonic() - started
+    assert reads[0] is None  # the duplicate did read the key mid-take-over
+    assert reads[-1] is not None
+    assert not reads[-1].queued  # its execution holds the key
+    assert duplicate.id == first.id
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
+    assert waited < manager.settle_time / 2, f"waited {waited:.2f} s of {manager.settle_time} s"
+    app.close()

@@ -262,7 +262,8 @@ def test_enqueue_mode_returns_the_queued_task_to_duplicates(
     # The send by name too: with 0.5 s, a starved node made it go out without its queued lock
     # once in a fresh-clone run (it then waited for the first run and ran its body).
     # The first run lasts 4 s so that the send by name goes out while it runs, however long
-    # the 25 callers took (each may wait for the holder to settle, on Redlock).
+    # the 25 callers took (on Redlock each may wait until the holder settles or its execution
+    # takes the key over).
     with node_timeout(wa.app, 2.0):
         results = publish_together(wa.enqueued, ("queued", 4.0), 25)
         assert len({r.id for r in results}) == 1
