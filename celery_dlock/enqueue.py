@@ -512,7 +512,8 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
     """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
 
     Reads ``key`` until the holder settles: True once its task holds the key settled or
-    executing (its message was published), or no longer holds it but ran (its result backend
+    executing (its message was published), holds it queued but ran already (a run's key
+    handed over to its retry's message), or no longer holds it but ran (its result backend
     state leaves PENDING by the time it would have settled, or within ``settle_time`` of
     when it was seen gone); False when it let the key go without running (its attempt was
     undone: look again), or a newer attempt of its task holds it, not settled yet. Raises
@@ -525,6 +526,10 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
         now = manager.holder(key)
         if now is not None and now.task_id == holder.task_id:
             if not now.queued:  # its execution holds the key: the message was published
+                return True
+            if _ran(task, holder.task_id):
+                # Queued by a task that already ran: a run handed its key over to its retry's
+                # message (a value written just then, so not settled either).
                 return True
             if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
                 return False
