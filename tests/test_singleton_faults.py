@@ -94,6 +94,27 @@ def test_a_task_whose_pool_process_died_runs_again_once_its_lease_expires(
 
 
 @pytest.mark.queued_locks
+def test_an_enqueue_duplicate_of_a_task_whose_pool_process_died_gets_its_rerun(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    # Late acks + reject_on_worker_lost: the pool process running the queued task dies right
+    # after taking its key over. A duplicate sent while the dead process's lease still holds
+    # the key merges into that task id; the message put back must run it again once the lease
+    # expires, so the duplicate's id does run (no caller is left with an id that never runs).
+    env = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_REJECT_ON_LOST": "1"}
+    spawn("lostenq", "lostenq_q", concurrency=1, env=env)
+    result = wa.enqueued.apply_async(("lostenq", 2.0), queue="lostenq_q")
+    first = journal.wait_for("start", name="lostenq")[0]
+    os.kill(first["pid"], signal.SIGKILL)  # the pool process only; its worker lives on
+    duplicate = wa.enqueued.apply_async(("lostenq", 2.0), queue="lostenq_q")
+    assert duplicate.id == result.id
+    assert duplicate.get(timeout=20) == "lostenq"
+    starts = journal.select("start", name="lostenq")
+    assert [s["id"] for s in starts] == [result.id, result.id]
+    assert len(journal.select("end", name="lostenq")) == 1
+
+
+@pytest.mark.queued_locks
 def test_a_requeue_of_an_enqueue_task_sent_without_celery_dlock_is_not_dropped(
     wa: Any, journal: Journal, spawn: Any
 ) -> None:
