@@ -425,7 +425,12 @@ def _after_refusal(
         looks.splits += 1
         time.sleep(random.uniform(0.0, 0.01 * looks.splits))
         return None
-    if holder is None or holder.task_id is None:
+    if holder is None and refusal.retry_after is None:
+        # Still no majority after every look: logged, as every other such publish.
+        return _unlocked(
+            task, task_id, f"no majority of the lock nodes agrees on a holder of {key!r}"
+        )
+    if holder is None or holder.task_id is None:  # held, but not by a task: publish anyway
         return Queued(None, None)
     if not looks.revoked_checked and holder.queued and _revoked(task, holder.task_id):
         # The queued task was revoked before any worker saw it: its lock (that one

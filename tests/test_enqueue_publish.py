@@ -548,3 +548,23 @@ def test_a_redlock_publish_never_merges_into_its_own_undone_attempt(
             janitor_idle([hung_node, *manager.nodes], client(own_servers[0].url))
             stalled.close()
             app.close()
+
+
+def test_a_redlock_publish_that_finds_no_majority_holder_says_it_went_out_unlocked(
+    single_urls: list[str], redlock_urls: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two values that are not ours hold two nodes each: every attempt takes one node, nobody
+    # has a majority, and the look-again budget for colliding contenders runs out. The message
+    # goes out without its queued lock, which a publish logs in every other such case; here it
+    # said nothing, so an operator could not tell why a duplicate was published.
+    app, job = publisher(single_urls[0], redlock_urls, "split")
+    key = job.lock_key_for((3,), {})
+    for i, url in enumerate(redlock_urls[:4]):
+        client(url).set(f"dlock:{{{key}}}", b"value x" if i < 2 else b"value y", px=60_000)
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        result = job.apply_async((3,))
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [result.id]
+    warned = [r.getMessage() for r in caplog.records if "without its queued lock" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "no majority" in warned[0]
+    app.close()
