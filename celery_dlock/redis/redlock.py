@@ -334,6 +334,8 @@ class LockManager:
         return self._outcome(request, keys, head, started, replies)
 
     def _void(self, nodes: list[Node], keys: tuple[str, str, str], head: str, until: float) -> None:
+        # Remembered here, where a copy may be left (a silent node, a release lost), not for
+        # every refused attempt: a storm of those would push the ones that matter out.
         self._note_undone(head, until)
         janitor.void(nodes, keys[0], void_key(keys[0], head), head, until)
 
@@ -472,7 +474,6 @@ class LockManager:
         """Release a failed attempt: now where we took the key, in the background where the
         node did not answer (it may take the key yet, and waiting on it again would double
         the time a caller waits to hear that Redis is unavailable)."""
-        self._note_undone(head, time.monotonic() + ttl)
         late = [self.nodes[i] for i in decisions.silent(replies)]
         if fences:
             taken = [self.nodes[i] for i in fences]
