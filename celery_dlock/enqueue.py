@@ -425,7 +425,12 @@ def _after_refusal(
         looks.splits += 1
         time.sleep(random.uniform(0.0, 0.01 * looks.splits))
         return None
-    if holder is None or holder.task_id is None:
+    if holder is None and refusal.retry_after is None:
+        # Still no majority after every look: logged, as every other such publish.
+        return _unlocked(
+            task, task_id, f"no majority of the lock nodes agrees on a holder of {key!r}"
+        )
+    if holder is None or holder.task_id is None:  # held, but not by a task: publish anyway
         return Queued(None, None)
     if not looks.revoked_checked and holder.queued and _revoked(task, holder.task_id):
         # The queued task was revoked before any worker saw it: its lock (that one
@@ -512,7 +517,8 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
     """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
 
     Reads ``key`` until the holder settles: True once its task holds the key settled or
-    executing (its message was published), or no longer holds it but ran (its result backend
+    executing (its message was published), holds it queued but ran already (a run's key
+    handed over to its retry's message), or no longer holds it but ran (its result backend
     state leaves PENDING by the time it would have settled, or within ``settle_time`` of
     when it was seen gone); False when it let the key go without running (its attempt was
     undone: look again), or a newer attempt of its task holds it, not settled yet. Raises
@@ -525,6 +531,10 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
         now = manager.holder(key)
         if now is not None and now.task_id == holder.task_id:
             if not now.queued:  # its execution holds the key: the message was published
+                return True
+            if _ran(task, holder.task_id):
+                # Queued by a task that already ran: a run handed its key over to its retry's
+                # message (a value written just then, so not settled either).
                 return True
             if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
                 return False

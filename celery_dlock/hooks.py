@@ -37,7 +37,7 @@ from celery.signals import (
 from celery_dlock import admin, children
 from celery_dlock.beat import Tick, current_tick, mark_send
 from celery_dlock.enqueue import enqueue_app, lock_unlabelled, settle_early, take_early
-from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
+from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, REQUEUE_HEADERS
 from celery_dlock.renewal import watchdog
 from celery_dlock.task import SingletonTask
 
@@ -120,6 +120,12 @@ def lock_published(
         settle_early(early, headers)  # may call the publish off (a duplicate)
         return
     if HEADER_QUEUED in headers or HEADER_DUPLICATE_OF in headers:
+        return
+    if any(name in headers for name in REQUEUE_HEADERS):
+        # A worker's requeue of a message without either header (one sent by a process without
+        # celery_dlock): the worker decided already. Locked now it would be marked a duplicate
+        # of the very execution it waits for (a redelivered copy of a dead process's run), and
+        # the worker would drop it: the call lost.
         return
     reply_to = properties.get("reply_to") if isinstance(properties, dict) else None
     task = _enqueue_task(sender, reply_to)

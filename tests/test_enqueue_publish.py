@@ -18,6 +18,8 @@ from celery import Celery
 
 from celery_dlock import SingletonTask, enqueue
 from celery_dlock.headers import HEADER_QUEUED
+from celery_dlock.holder import head_nonce, value_head
+from celery_dlock.redis.janitor import janitor
 from celery_dlock.testing import RedisServer, free_port
 from tests.clients import client
 from tests.proxy import FaultProxy
@@ -421,12 +423,12 @@ def test_a_redlock_duplicate_of_a_holder_its_worker_is_taking_over_merges_at_onc
     queued_value = nodes[0].get(redis_key)
     read = manager.holder
     reads: list[Any] = []
-    taken: list[Any] = []  # the stand-in worker's leases (watched if a test left a lock_lost
-    # receiver in this process), given up at the end
+    taken: list[Any] = []  # the worker's leases, forgotten at the end (watched when anyone
+    # listens for lost leases, as tests.worker_app does once another module imported it)
 
     def worker_taking_over(k: str) -> Any:
         # First look: the take-over reached nodes 3 and 4, node 5 has missed both values; then
-        # it completes on a majority. The result state stays PENDING throughout (still running).
+        # it completes everywhere. The result state stays PENDING throughout (still running).
         if not reads:
             taken.append(manager.acquire(key, holder=first.id, takeover=first.id, renew=False))
             for n in nodes[:2]:
@@ -447,6 +449,126 @@ def test_a_redlock_duplicate_of_a_holder_its_worker_is_taking_over_merges_at_onc
     assert duplicate.id == first.id
     assert [m["headers"]["id"] for m in queued_messages(app)] == [first.id]
     assert waited < manager.settle_time / 2, f"waited {waited:.2f} s of {manager.settle_time} s"
-    manager.forget(taken[0])
-    manager.release(taken[1])
+    for lease in taken:
+        manager.forget(lease)
+    app.close()
+
+
+def janitor_idle(nodes: list[Any], server: Any, timeout: float = 10) -> None:
+    """Wait until this process's janitor has nothing left to send to ``nodes``: none queued,
+    and a void of its own, pushed then, has landed on ``nodes[0]`` (``server``: a client of
+    the Redis behind it). The janitor serves one item at a time, so every item it took
+    earlier was sent by then: the test's proxies may close without leaving it work for nodes
+    that are gone (retried for minutes)."""
+    deadline = time.monotonic() + timeout
+
+    def queued() -> bool:  # the janitor's queue, read as the conftest reads the watchdog's
+        return any(item.node in nodes for item in list(janitor._heap))
+
+    while True:
+        while queued():
+            assert time.monotonic() < deadline, "the janitor still has work for these nodes"
+            time.sleep(0.01)
+        head = value_head(None)
+        marker = f"dlock:{{idle}}:void:{head_nonce(head)}"
+        janitor.void(nodes[:1], "dlock:{idle}", marker, head, time.monotonic() + 5)
+        while not server.exists(marker):
+            assert time.monotonic() < deadline, "the janitor's own void never landed"
+            time.sleep(0.01)
+        if not queued():
+            return
+
+
+@pytest.mark.parametrize(
+    ("results", "how"), [("broker", "apply_async"), (None, "apply_async"), ("broker", "send_task")]
+)
+def test_a_redlock_publish_never_merges_into_its_own_undone_attempt(
+    single_urls: list[str],
+    own_servers: list[RedisServer],
+    monkeypatch: pytest.MonkeyPatch,
+    results: str | None,
+    how: str,
+) -> None:
+    # A's attempt takes nodes 1 and 2, finds a foreign value on nodes 3 and 4, and takes node
+    # 5, whose reply is cut: no majority, so A undoes it. The undo's releases to nodes 1 and 2
+    # are lost with their connections, and the voids wait in this process's janitor behind a
+    # hung node: the undone attempt still holds nodes 1, 2 and 5. A's next attempt found it
+    # there, a queued lock of A's own task id, and merged into it: delay() returned the id of
+    # a message never published (send_task published it marked a duplicate of itself, which
+    # the worker drops): the call was lost.
+    with (
+        FaultProxy(own_servers[0].port) as p1,
+        FaultProxy(own_servers[1].port) as p2,
+        FaultProxy(own_servers[4].port) as p5,
+        FaultProxy(own_servers[0].port) as hung,
+    ):
+        urls = [p1.url, p2.url, own_servers[2].url, own_servers[3].url, p5.url]
+        app, job = publisher(single_urls[0], urls, "self", results)
+        app.conf.dlock_node_timeout = 0.5
+        stalled, stalled_job = publisher(single_urls[0], [hung.url], "stalled")
+        stalled.conf.dlock_node_timeout = 8.0
+        manager = job._dlock().manager
+        key = job.lock_key_for((1,), {})
+        manager.release(manager.acquire("warm-up", renew=False))  # connections open
+        for foreign in own_servers[2:4]:
+            client(foreign.url).set(f"dlock:{{{key}}}", b"another value", px=60_000)
+        # The janitor serves one node at a time: a void for a hung node holds up the others
+        # for that node's timeout (8 s here).
+        hung.blackhole()
+        until = time.monotonic() + 5
+        hung_node = stalled_job._dlock().manager.nodes[0]
+        janitor.void([hung_node], "dlock:{hung}", "dlock:{hung}:void:x", value_head(None), until)
+        deadline = time.monotonic() + 5
+        while not any(pair.to_up for pair in hung.open_pairs()):
+            assert time.monotonic() < deadline, "the janitor never reached the hung node"
+            time.sleep(0.01)
+        undo = manager._undo
+
+        undos: list[bool] = []
+
+        def releases_lost(*args: Any) -> None:
+            if not undos:  # the first attempt's undo: its releases are dropped with their
+                p1.swallow()  # connections
+                p2.swallow()
+            undos.append(True)
+            undo(*args)
+
+        monkeypatch.setattr(manager, "_undo", releases_lost)
+        p5.reset_mid_reply()  # node 5 takes A's attempt; its reply is cut
+        try:
+            if how == "send_task":
+                result = app.send_task(job.name, (1,), task_id="A")
+            else:
+                result = job.apply_async((1,), task_id="A")
+            assert p5.cut.is_set()
+            assert p1.swallowed.is_set()
+            assert p2.swallowed.is_set()
+            messages = queued_messages(app)
+            assert [m["headers"]["id"] for m in messages] == ["A"], f"A merged into {result.id}"
+            assert result.id == "A"
+            assert "dlock_duplicate_of" not in messages[0]["headers"]
+        finally:
+            hung.heal()
+            janitor_idle([hung_node, *manager.nodes], client(own_servers[0].url))
+            stalled.close()
+            app.close()
+
+
+def test_a_redlock_publish_that_finds_no_majority_holder_says_it_went_out_unlocked(
+    single_urls: list[str], redlock_urls: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two values that are not ours hold two nodes each: every attempt takes one node, nobody
+    # has a majority, and the look-again budget for colliding contenders runs out. The message
+    # goes out without its queued lock, which a publish logs in every other such case; here it
+    # said nothing, so an operator could not tell why a duplicate was published.
+    app, job = publisher(single_urls[0], redlock_urls, "split")
+    key = job.lock_key_for((3,), {})
+    for i, url in enumerate(redlock_urls[:4]):
+        client(url).set(f"dlock:{{{key}}}", b"value x" if i < 2 else b"value y", px=60_000)
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        result = job.apply_async((3,))
+    assert [m["headers"]["id"] for m in queued_messages(app)] == [result.id]
+    warned = [r.getMessage() for r in caplog.records if "without its queued lock" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "no majority" in warned[0]
     app.close()

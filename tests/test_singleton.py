@@ -318,6 +318,37 @@ def test_enqueue_mode_retry_with_countdown_keeps_the_key(
     assert [s["retries"] for s in journal.select("start", name="kept")] == [0, 1]
 
 
+@pytest.mark.queued_locks
+def test_enqueue_mode_a_duplicate_during_a_retrys_countdown_merges_at_once(
+    wa: Any, worker: Worker, journal: Journal, mode: Mode
+) -> None:
+    # The run hands its key over to its retry's message: a queued value written just now. On
+    # Redlock a duplicate reading it took it for a publisher's attempt that may yet be undone
+    # and waited until it settled (settle_time, 1.5 s here), though the task had already run
+    # and its retry was published (its state says RETRY).
+    task = wa.enqueued_flaky
+    name = f"handed-{mode.name}"  # a retry left over by another mode's failure is not this one
+    manager = task._dlock().manager
+    key = task.lock_key_for((name, 3.0), {})
+    result = task.delay(name, 3.0)
+    journal.wait_for("end", name=name)
+    deadline = time.monotonic() + 5
+    while True:  # the first run's lease becomes the retry message's queued lock
+        holder = manager.holder(key)
+        if holder is not None and holder.queued:
+            break
+        assert time.monotonic() < deadline, f"the key was never handed over: {holder}"
+        time.sleep(0.01)
+    started = time.monotonic()
+    duplicate = task.delay(name, 3.0)
+    waited = time.monotonic() - started
+    assert duplicate.id == result.id
+    settle = getattr(manager, "settle_time", 0.0)
+    assert waited < 0.5, f"waited {waited:.2f} s (settle time {settle} s)"
+    assert result.get(timeout=15) == 1
+    assert [s["retries"] for s in journal.select("start", name=name)] == [0, 1]
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 

@@ -10,7 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery.signals import before_task_publish
+from celery.utils import uuid
 
+from celery_dlock import hooks
 from celery_dlock.testing import RedisServer
 from tests.celery_fixtures import Mode, submit_concurrently
 from tests.workers import Journal, Worker, intervals, overlaps
@@ -88,6 +91,66 @@ def test_a_task_whose_pool_process_died_runs_again_once_its_lease_expires(
     # out; the worker itself may take a few seconds to notice the lost process.
     assert 3.0 - 0.2 < starts[1]["t"] - first["t"] < 15.0
     assert len(journal.select("end", name="lostchild")) == 1
+
+
+@pytest.mark.queued_locks
+def test_an_enqueue_duplicate_of_a_task_whose_pool_process_died_gets_its_rerun(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    # Late acks + reject_on_worker_lost: the pool process running the queued task dies right
+    # after taking its key over. A duplicate sent while the dead process's lease still holds
+    # the key merges into that task id; the message put back must run it again once the lease
+    # expires, so the duplicate's id does run (no caller is left with an id that never runs).
+    env = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_REJECT_ON_LOST": "1"}
+    spawn("lostenq", "lostenq_q", concurrency=1, env=env)
+    result = wa.enqueued.apply_async(("lostenq", 2.0), queue="lostenq_q")
+    first = journal.wait_for("start", name="lostenq")[0]
+    os.kill(first["pid"], signal.SIGKILL)  # the pool process only; its worker lives on
+    duplicate = wa.enqueued.apply_async(("lostenq", 2.0), queue="lostenq_q")
+    assert duplicate.id == result.id
+    assert duplicate.get(timeout=20) == "lostenq"
+    starts = journal.select("start", name="lostenq")
+    assert [s["id"] for s in starts] == [result.id, result.id]
+    assert len(journal.select("end", name="lostenq")) == 1
+
+
+@pytest.mark.queued_locks
+def test_a_requeue_of_an_enqueue_task_sent_without_celery_dlock_is_not_dropped(
+    wa: Any, journal: Journal, spawn: Any
+) -> None:
+    # A producer without celery_dlock sends the task by name: no queued lock, no header. Its
+    # run finds the key held by an execution of its own task id (the test's lease here, as a
+    # pool process that died leaves one: late acks + reject_on_worker_lost put its message
+    # back at once, before that lease expires) and requeues itself to come back later. The
+    # requeue, published in the worker, was taken for a message sent by name and marked a
+    # duplicate of the task holding the key: its own id. The worker dropped it: call lost.
+    spawn("requeued", "requeued_q", concurrency=1)
+    task_id = uuid()
+    key = wa.enqueued.lock_key_for(("requeued",), {})
+    manager = wa.enqueued._dlock().manager
+    lease = manager.acquire(key, ttl=30, holder=task_id, renew=False)
+    try:
+        before_task_publish.disconnect(hooks.lock_published)  # a process without celery_dlock
+        try:
+            wa.app.send_task(
+                "tests.worker_app.enqueued", ("requeued",), task_id=task_id, queue="requeued_q"
+            )
+        finally:
+            before_task_publish.connect(hooks.lock_published)
+        journal.wait_for("contended", id=task_id, policy="requeue")
+    finally:
+        lease.release()
+    # It comes back once the key is free: it runs, or (before) it was dropped.
+    ended = journal.wait(
+        lambda es: any(
+            e["event"] == "start" or e.get("policy") == "drop" for e in es if e.get("id") == task_id
+        ),
+        15,
+        "the requeued copy to run or be dropped",
+    )
+    seen = [(e["event"], e.get("policy")) for e in ended if e.get("id") == task_id]
+    assert ("start", None) in seen, seen
+    assert wa.enqueued.AsyncResult(task_id).get(timeout=10) == "requeued"
 
 
 @pytest.mark.redis_only("points a worker at a Redis URL nothing listens on")

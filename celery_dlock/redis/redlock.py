@@ -25,6 +25,7 @@ in :mod:`.ending`; renewal in :mod:`.renewing`; the operator's reads and repairs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -50,7 +51,7 @@ from celery_dlock.redis.cluster import node_for
 from celery_dlock.redis.decisions import Refusal, ms
 from celery_dlock.redis.diagnose import describe
 from celery_dlock.redis.ending import void_key
-from celery_dlock.redis.janitor import janitor
+from celery_dlock.redis.janitor import LATE_LIMIT, janitor
 from celery_dlock.redis.nodes import Node, Reply
 from celery_dlock.redis.owed import Deferred
 from celery_dlock.redis.sending import send_deferred
@@ -67,6 +68,8 @@ SPLIT_RETRIES = 5
 #: Quick re-attempts (1, 2, 4, ... ms apart) by a woken waiter that still sees the holder whose
 #: release woke it, while that release reaches the other nodes.
 BATON_RETRIES = 8
+#: Most attempts this process undid that it remembers (:meth:`LockManager._own_leftover`).
+UNDONE_KEPT = 1000
 
 
 class _Request(NamedTuple):
@@ -102,6 +105,10 @@ class LockManager:
         #: its acquirer (Backend.settle_time): the replies' timeout, a fence write-back and
         #: the undo, one node timeout each. One node: a value there is a decided acquisition.
         self.settle_time = 3 * settings.node_timeout if self.redlock else 0.0
+        #: Attempts this process undid (nonce -> head, and when its copies expire): where an
+        #: undo or void did not land yet, such an attempt can still be found holding a
+        #: majority, and it holds for nobody (:meth:`_own_leftover`).
+        self._undone: dict[str, tuple[str, float]] = {}
 
     def __repr__(self) -> str:
         kind = f"Redlock over {len(self.nodes)} nodes" if self.redlock else "single Redis"
@@ -327,7 +334,48 @@ class LockManager:
         return self._outcome(request, keys, head, started, replies)
 
     def _void(self, nodes: list[Node], keys: tuple[str, str, str], head: str, until: float) -> None:
+        # Remembered here, where a copy may be left (a silent node, a release lost), not for
+        # every refused attempt: a storm of those would push the ones that matter out.
+        self._note_undone(head, until)
         janitor.void(nodes, keys[0], void_key(keys[0], head), head, until)
+
+    def _note_undone(self, head: str, until: float) -> None:
+        """Remember that the attempt ``head``, whose copies last until ``until`` (monotonic),
+        was undone by this process."""
+        undone = self._undone
+        if len(undone) >= UNDONE_KEPT:
+            # Kept as long as the janitor voids it: a node that stalled may still run it late.
+            gone = time.monotonic() - LATE_LIMIT
+            kept = {n: v for n, v in list(undone.items()) if v[1] > gone}
+            self._undone = undone = kept if len(kept) < UNDONE_KEPT else {}
+        undone[head_nonce(head)] = (head, until)
+
+    def _own_leftover(self, keys: tuple[str, str, str], refused: Refusal, ttl: float) -> Refusal:
+        """``refused``, unless the holder it names is an attempt this process undid whose
+        undo has not landed on a majority yet (a release or void still owed, a node that ran
+        it late): nobody holds the key by it. Merging into its task id, or waiting for its
+        release, would wait on a holder that does not exist: it is voided on every node at
+        once, and the refusal counts as contenders colliding (try again shortly)."""
+        found = refused.holder
+        undone = self._undone.get(found.nonce) if found is not None else None
+        if undone is None:
+            return refused
+        head = undone[0]
+        log_acquire.info(
+            "key=%s: an attempt of this process that was undone still held a majority; "
+            "voiding it now",
+            keys[0],
+        )
+        run_script(
+            self.nodes,
+            "void",
+            (keys[0], void_key(keys[0], head)),
+            (head, ms(max(ttl, undone[1] - time.monotonic()))),  # the marker outlives it
+            self.settings.node_timeout,
+        )
+        return dataclasses.replace(
+            refused, holder=None, retry_after=None, split=True, detail="contended"
+        )
 
     def send_queued(
         self, key: str, ttl: float, *, holder: str, sender: Any = None
@@ -412,7 +460,8 @@ class LockManager:
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
         answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
-        return decisions.refusal(others, errors, answered, len(self.nodes), self.quorum)
+        refused = decisions.refusal(others, errors, answered, len(self.nodes), self.quorum)
+        return self._own_leftover(keys, refused, ttl) if self._undone else refused
 
     def _undo(
         self,
