@@ -14,7 +14,7 @@ after the lock's ttl) and pauses a collector between its lease check and its wri
 than the ttl (a stand-in for a GC pause), so the fence refuses its late write.
 
 Exit status 0 only if, in the celery_dlock pass, no key ever ran twice at once and no stale
-write got through.
+write got through. Ctrl-C (or SIGTERM) stops every process the demo started, then exits 130.
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from example_project import metadata, processes, timeline
+from example_project import metadata, processes, stopping, timeline
 from example_project.api import ExternalAPI
 from example_project.journal import Journal
 from example_project.processes import Process, wait_until
@@ -80,9 +79,11 @@ class Demo:
         count = 5 if self.args.redlock else 1
         servers = self.stack.enter_context(redis_servers(count))
         self.say(f"started {count} embedded redis-server: ports {[s.port for s in servers]}")
+        stopping.pause_point("redis")
         return [s.url for s in servers]
 
     def setup(self) -> None:
+        stopping.check()  # a signal before the demo got here (during its imports, say)
         urls = self.redis_urls()
         api = self.stack.enter_context(ExternalAPI(rate=8.0, burst=2, latency=0.15))
         self.api = api
@@ -145,7 +146,7 @@ class Demo:
                     for _copy in range(2):
                         collect.delay(source, entity, window)
                         sent += 1
-            time.sleep(0.3)
+            stopping.sleep(0.3)
         windows = len(self.windows)
         self.say(f"{run.name}: sent {sent} collection jobs ({windows} windows x 6 entities, twice)")
 
@@ -403,34 +404,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def interrupted_on_sigterm() -> Iterator[None]:
-    """SIGTERM cleans up like Ctrl-C does."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    out = sys.stderr if args.json else sys.stdout
-    demo = Demo(args, out)
-    passes = {"plain": Pass("plain"), "dlock": Pass("dlock")}
-    try:
-        with interrupted_on_sigterm(), demo.stack:
-            demo.setup()
-            for run in passes.values():
-                demo.run_pass(run)
-            demo.say("stopping workers")
-    except KeyboardInterrupt:
-        demo.say("interrupted: every process the demo started is stopped")
-        return 130
+def report(args: argparse.Namespace, passes: dict[str, Pass], out: Any) -> int:
+    """Print the comparison (or the JSON object); the exit status: 0 if the verdict is ok."""
     ok, problems = verdict(passes)
     takeover = passes["dlock"].takeover
     if args.timeline:
@@ -452,3 +427,31 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("\nFAILED: " + "; ".join(problems), file=out)
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = sys.stderr if args.json else sys.stdout
+    demo = Demo(args, out)
+    passes = {"plain": Pass("plain"), "dlock": Pass("dlock")}
+    with stopping.stop_signals():
+        try:
+            with demo.stack:  # on every way out it stops what the demo started, in reverse
+                demo.setup()
+                for run in passes.values():
+                    demo.run_pass(run)
+                stopping.check()
+                demo.say("stopping workers")
+        except stopping.Interrupted:
+            pass
+        except Exception as exc:
+            if stopping.requested() is None:
+                raise
+            # Failed because of the stop: a terminal's Ctrl-C also reaches the embedded
+            # redis-server, which is in the demo's process group.
+            demo.say(f"while stopping: {type(exc).__name__}: {exc}")
+        status = 130 if stopping.requested() is not None else report(args, passes, out)
+        if stopping.requested() is not None:  # also one that came during the stop or the report
+            demo.say("interrupted: every process the demo started is stopped")
+            return 130
+        return status

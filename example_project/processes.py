@@ -1,7 +1,8 @@
 """The processes the demo starts: Celery workers and beat, each in its own process group.
 
 A process group per worker means one ``killpg`` reaches the worker and its pool children, as a
-crashed host would, and the demo can clean up everything it started, also on Ctrl-C.
+crashed host would, and the demo can clean up everything it started, also on Ctrl-C; a session
+of its own keeps a terminal's Ctrl-C from reaching them before the demo stops them in order.
 """
 
 from __future__ import annotations
@@ -12,30 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from example_project import stopping
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = "example_project.celery_app"
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold Ctrl-C (and SIGTERM) back until the block is done, then deliver it.
-
-    Python runs signal handlers in the main thread between bytecodes, so a Ctrl-C could land
-    inside ``Popen`` after the fork, before the demo records the child it must stop.
-    """
-    caught: list[int] = []
-    wanted = (signal.SIGINT, signal.SIGTERM)
-    previous = {signum: signal.signal(signum, lambda n, _f: caught.append(n)) for signum in wanted}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if caught:
-            os.kill(os.getpid(), caught[0])
 
 
 class Process:
@@ -56,9 +40,11 @@ class Process:
         return self.popen is not None and self.popen.poll() is None
 
     def start(self) -> Process:
+        """Spawn it, unless the demo is asked to stop; the caller has registered ``stop``."""
+        stopping.check()
         env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
-        with _interrupts_deferred():
-            self.popen = self._spawn(env)
+        self.popen = self._spawn(env)
+        stopping.pause_point(f"spawn {self.name}")
         return self
 
     def _spawn(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -75,6 +61,7 @@ class Process:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Warm shutdown (SIGTERM), then SIGKILL whatever of the group is left."""
+        stopping.pause_point(f"stop {self.name}")
         if self.popen is None:
             return
         if self.popen.poll() is None:
@@ -111,9 +98,12 @@ def beat(name: str, env: dict[str, str], directory: Path) -> Process:
 def wait_until(
     predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05
 ) -> None:
-    """Poll ``predicate()`` until true; raise TimeoutError naming ``what`` after ``timeout``."""
+    """Poll ``predicate()`` until true; raise TimeoutError naming ``what`` after ``timeout``.
+
+    A stop signal ends the wait with :class:`~example_project.stopping.Interrupted`.
+    """
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+        stopping.sleep(interval)
