@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -131,7 +132,7 @@ class RedisServer:
                     f"redis-server on port {self.port} exited with {self.process.returncode}; "
                     f"log: {self.log_tail()}"
                 )
-            if self.ping(timeout=0.2):
+            if self.ping(timeout=0.2) and self._answers_as(self.process.pid):
                 return
             time.sleep(0.01)  # polling a port that is not open yet; bounded by the deadline
         raise RuntimeError(f"redis-server on port {self.port} not ready in {START_TIMEOUT} s")
@@ -145,6 +146,26 @@ class RedisServer:
                 return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
         except OSError:
             return False
+
+    def _answers_as(self, pid: int) -> bool:
+        """Whether the server on this port is process ``pid`` (``INFO server``): another
+        server that took the port first answers PING too, while ours fails to bind and exits.
+        A server asking for a password cannot be asked; it is taken as ours."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"INFO server\r\n")
+                reply = b""
+                while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        return False
+                    reply += chunk
+                    if reply.startswith(b"-"):  # NOAUTH and the like
+                        return True
+        except OSError:
+            return False
+        found = re.search(rb"process_id:(\d+)", reply)
+        return found is not None and int(found.group(1)) == pid
 
     def log_tail(self, lines: int = 20) -> str:
         path = self.directory / "redis.log"
