@@ -529,14 +529,15 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
     gone_until: float | None = None
     while True:
         now = manager.holder(key)
-        if now is not None and now.task_id == holder.task_id:
-            if not now.queued:  # its execution holds the key: the message was published
-                return True
-            if _ran(task, holder.task_id):
-                # Queued by a task that already ran: a run handed its key over to its retry's
-                # message (a value written just then, so not settled either).
-                return True
-            if now.nonce != holder.nonce:  # the same task, another attempt: settle that one
+        mine = now if now is not None and now.task_id == holder.task_id else None
+        if mine is not None and not mine.queued:  # its execution holds the key: published
+            return True
+        # Its state left PENDING: it ran. Also when its key is queued again (a run handed it
+        # over to its retry's message, a value written just then, so not settled either).
+        if _ran(task, holder.task_id):
+            return True
+        if mine is not None:
+            if mine.nonce != holder.nonce:  # the same task, another attempt: settle that one
                 return False
             if time.time() >= until:
                 return True
@@ -544,11 +545,9 @@ def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> boo
             wait_until = until
         else:
             # Gone, or another task's, or no majority for one value (a read in the middle of
-            # the worker's take-over): it ran if its state left PENDING. The key is read again
-            # too, so an execution seen holding it confirms at once, not when its run ends
-            # (a task's state stays PENDING while it runs unless it tracks STARTED).
-            if _ran(task, holder.task_id):
-                return True
+            # the worker's take-over). The key is read again too, so an execution seen holding
+            # it confirms at once, not when its run ends (a task's state stays PENDING while
+            # it runs unless it tracks STARTED).
             if gone_until is None:
                 gone_until = max(until, time.time() + manager.settle_time)
             if time.time() >= gone_until:

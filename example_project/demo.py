@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             # Failed because of the stop: a terminal's Ctrl-C also reaches the embedded
             # redis-server, which is in the demo's process group.
             demo.say(f"while stopping: {type(exc).__name__}: {exc}")
-        status = 130 if stopping.requested() is not None else report(args, passes, out)
+        status = report(args, passes, out) if stopping.requested() is None else 130
         if stopping.requested() is not None:  # also one that came during the stop or the report
             demo.say("interrupted: every process the demo started is stopped")
             return 130

@@ -74,16 +74,26 @@ def test_a_redelivered_copy_does_not_run_while_the_first_holds(
     assert [s["id"] for s in starts] == [result.id]
 
 
+def run_then_kill_its_pool_process(
+    task: Any, name: str, journal: Journal, spawn: Any
+) -> tuple[Any, dict[str, Any]]:
+    """Send ``task`` (``name``, a 2 s body) to a worker of its own with late acks and
+    reject_on_worker_lost, and SIGKILL the pool process once the body started (its worker
+    lives on and puts the message back at once). The result and the first start's entry."""
+    env = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_REJECT_ON_LOST": "1"}
+    spawn(name, f"{name}_q", concurrency=1, env=env)
+    result = task.apply_async((name, 2.0), queue=f"{name}_q")
+    first = journal.wait_for("start", name=name)[0]
+    os.kill(first["pid"], signal.SIGKILL)
+    return result, first
+
+
 def test_a_task_whose_pool_process_died_runs_again_once_its_lease_expires(
     wa: Any, journal: Journal, spawn: Any
 ) -> None:
     # Late acks + reject_on_worker_lost: the worker puts the message back at once, while the
     # dead process's lease still holds the key. The copy must wait for it, not vanish.
-    env = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_REJECT_ON_LOST": "1"}
-    spawn("lostchild", "lost_q", concurrency=1, env=env)
-    result = wa.drop_task.apply_async(("lostchild", 2.0), queue="lost_q")
-    first = journal.wait_for("start", name="lostchild")[0]
-    os.kill(first["pid"], signal.SIGKILL)  # the pool process only; its worker lives on
+    result, first = run_then_kill_its_pool_process(wa.drop_task, "lostchild", journal, spawn)
     assert result.get(timeout=30) == "lostchild"
     starts = journal.select("start", name="lostchild")
     assert [s["id"] for s in starts] == [result.id, result.id]
@@ -101,11 +111,7 @@ def test_an_enqueue_duplicate_of_a_task_whose_pool_process_died_gets_its_rerun(
     # after taking its key over. A duplicate sent while the dead process's lease still holds
     # the key merges into that task id; the message put back must run it again once the lease
     # expires, so the duplicate's id does run (no caller is left with an id that never runs).
-    env = {"DLOCK_TEST_ACKS_LATE": "1", "DLOCK_TEST_REJECT_ON_LOST": "1"}
-    spawn("lostenq", "lostenq_q", concurrency=1, env=env)
-    result = wa.enqueued.apply_async(("lostenq", 2.0), queue="lostenq_q")
-    first = journal.wait_for("start", name="lostenq")[0]
-    os.kill(first["pid"], signal.SIGKILL)  # the pool process only; its worker lives on
+    result, _ = run_then_kill_its_pool_process(wa.enqueued, "lostenq", journal, spawn)
     duplicate = wa.enqueued.apply_async(("lostenq", 2.0), queue="lostenq_q")
     assert duplicate.id == result.id
     assert duplicate.get(timeout=20) == "lostenq"
