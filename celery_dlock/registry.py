@@ -40,6 +40,13 @@ def manager_for_settings(settings: Settings) -> Backend:
 def manager_for(app_or_urls: Any) -> Backend:
     """The shared backend for a Celery app (its ``dlock_*`` settings, read once) or URL list;
     a backend given is returned as it is."""
+    if type(app_or_urls) is list:  # the usual URL list, already seen: one lookup
+        try:
+            manager = _by_urls.get(tuple(app_or_urls))
+        except TypeError:  # an unhashable entry: not a URL; check_urls says so below
+            manager = None
+        if manager is not None:
+            return manager
     if hasattr(app_or_urls, "conf"):
         manager = _app_managers.get(app_or_urls)
         if manager is None:
@@ -66,10 +73,9 @@ def manager_for(app_or_urls: Any) -> Backend:
     )
 
 
-def backend_for(app_or_urls: Any) -> Backend:
-    """The shared backend for a Celery app (its ``dlock_*`` settings) or URL list; a backend
-    given is returned as it is."""
-    return manager_for(app_or_urls)
+#: The shared backend for a Celery app (its ``dlock_*`` settings) or URL list; a backend given
+#: is returned as it is. The same function as :func:`manager_for` (no call in between).
+backend_for = manager_for
 
 
 def forget(app: Any) -> None:

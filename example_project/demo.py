@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -65,6 +66,15 @@ class Demo:
         self.directory = Path(tempfile.mkdtemp(prefix="dlock-demo-"))
         self.workers: list[Process] = []
         self.env: dict[str, str] = {}
+
+    def tidy(self, keep: bool) -> None:
+        """Remove the run's directory once every process that wrote to it is stopped, or say
+        where it is: a failed run's tables, journals and worker logs are what explains it.
+        An unexpected error skips this (the traceback goes first) and keeps the directory."""
+        if keep:
+            self.say(f"tables, journals and logs kept in {self.directory}")
+        else:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:5.1f}s] {message}", file=self.out, flush=True)
@@ -110,7 +120,7 @@ class Demo:
         self.wait_workers(self.workers)
         mode = f"Redlock over {len(urls)} masters" if len(urls) > 1 else "one Redis"
         self.say(f"2 workers (prefork, concurrency 2) up; locks on {mode}")
-        self.say(f"tables and journals in {self.directory}")
+        self.say(f"tables, journals and logs in {self.directory} (removed at the end; --keep)")
 
     def start_worker(self, name: str) -> Process:
         proc = processes.worker(name, self.env, self.directory)
@@ -396,6 +406,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--timeline", metavar="FILE", type=Path, help="draw the per-key timeline (.svg, .html)")
     add("--replication", choices=("drop", "wait"), default="drop",
         help="what a worker that receives replication while it runs does")  # fmt: skip
+    add("--keep", action="store_true",
+        help="keep the tables, journals and logs (a failed demo always keeps them)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.redis_url and len(args.redis_url) == 2:
         parser.error("--redis-url given twice: give one URL, or three or more for Redlock")
@@ -451,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             # redis-server, which is in the demo's process group.
             demo.say(f"while stopping: {type(exc).__name__}: {exc}")
         status = report(args, passes, out) if stopping.requested() is None else 130
+        demo.tidy(keep=args.keep or status == 1)
         if stopping.requested() is not None:  # also one that came during the stop or the report
             demo.say("interrupted: every process the demo started is stopped")
             return 130

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,10 +41,27 @@ def run_demo(*args: str) -> tuple[dict[str, Any], str]:
     return json.loads(lines[0]), done.stderr
 
 
+def run_directory(progress: str) -> Path:
+    """The directory the demo said it keeps its tables, journals and logs in."""
+    found = re.search(r"tables, journals and logs in (\S+)", progress)
+    assert found, progress
+    return Path(found.group(1))
+
+
 @pytest.mark.parametrize("redlock", [False, True], ids=["single", "redlock5"])
 def test_the_demo_shows_the_difference(redlock: bool, tmp_path: Path) -> None:
     picture = tmp_path / "timeline.html"
-    report, progress = run_demo(*(["--redlock"] if redlock else []), "--timeline", str(picture))
+    # The Redlock run also keeps its directory (--keep); the other one removes it.
+    extra = ["--redlock", "--keep"] if redlock else []
+    report, progress = run_demo(*extra, "--timeline", str(picture))
+    directory = run_directory(progress)
+    if redlock:
+        assert (directory / "dlock" / "journal.db").is_file(), progress
+        assert any(directory.glob("w1*.log")), list(directory.iterdir())
+        assert f"kept in {directory}" in progress
+        shutil.rmtree(directory)
+    else:
+        assert not directory.exists(), f"the demo left {directory} behind"
     plain, dlock = report["plain"], report["dlock"]
 
     # Without a lock the same burst overlaps, or the demo proves nothing.
@@ -209,6 +227,8 @@ def signal_at(
         assert demo.returncode == 130, output
         assert "interrupted: every process the demo started is stopped" in output, output
         assert wait_none_left(marker, output) == [], output
+        if "tables, journals and logs in" in output:  # an interrupted run tidies up too
+            assert not run_directory(output).exists(), output
         return output
     finally:
         clean_up_after(demo, marker, "".join(seen))

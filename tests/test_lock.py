@@ -550,6 +550,65 @@ def test_lock_as_decorator(single_urls: list[str]) -> None:
     assert lock_keys(single_urls, "decorated") == [None]
 
 
+def test_one_guard_entered_by_two_threads_releases_each_threads_own_lease(
+    single_urls: list[str],
+) -> None:
+    """One guard (as a decorator is) entered by two threads at once: that happens when the
+    first thread's key was taken from it and the second took it. The first thread leaving
+    must release its own lease, not the second thread's."""
+    guard = lock(single_urls, "shared-guard", ttl=5, wait=None, renew=False)
+    first_in, second_in, first_out, second_may_leave = (threading.Event() for _ in range(4))
+    leases: dict[str, Lease] = {}
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with guard as lease:
+                leases["first"] = lease
+                first_in.set()
+                assert second_in.wait(10)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            first_out.set()
+
+    def second() -> None:
+        try:
+            with guard as lease:
+                leases["second"] = lease
+                second_in.set()
+                assert second_may_leave.wait(10)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    assert first_in.wait(10)
+    delete_lock(single_urls, "shared-guard")  # taken from the first thread behind its back
+    threads[1].start()
+    assert first_out.wait(10), "the first thread did not leave its block"
+    second_lease = leases["second"]
+    assert not second_lease.released
+    held = lock_keys(single_urls, "shared-guard")[0]
+    assert held is not None, "the first thread's exit released the second thread's lease"
+    assert held.startswith(second_lease.head.encode())
+    second_may_leave.set()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert not errors, errors
+    assert leases["first"].released
+    assert second_lease.released
+    assert lock_keys(single_urls, "shared-guard") == [None]
+
+    once = lock(single_urls, "shared-guard", ttl=5)  # wait=0: a nested entry is refused
+    with once as outer:
+        with pytest.raises(LockContended), once:
+            pass
+        assert not outer.released
+        outer.ensure()
+    assert outer.released
+
+
 def test_leaving_the_block_after_loss_raises_lock_lost(urls: list[str]) -> None:
     with (
         pytest.raises(LockLost, match=gone(urls)),
