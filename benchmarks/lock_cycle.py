@@ -45,12 +45,18 @@ more CPUs are available) keeps this process on one CPU and the servers on the ot
 client and servers on different hosts; ``--pin same`` puts everything on one CPU; ``--pin none``
 leaves placement to the scheduler.
 
+Then the ratios with a target are timed once more **cycle by cycle in turn** (``A, B, A, B,
+...``, the order flipped every other round; ``--pair-cycles`` pairs per round): the rounds
+above run each row's 1000 cycles one after another, and this host drifts by more between
+two rows' turns (±15 % between rounds of one row) than a wrapper's few per cent. Reported per
+pair: the median of the rounds' ratios of medians.
+
 A second, untimed pass checks Redlock releases: after each pottery-5 and ours-5 cycle, plain
 clients ask every master whether the lock key still exists (pottery returns from ``release``
 once a majority answered; ours waits for every node).
 
-Run: ``.venv/bin/python benchmarks/lock_cycle.py [--cycles N] [--rounds R] [--no-hiredis]
-[--json]``.
+Run: ``.venv/bin/python benchmarks/lock_cycle.py [--cycles N] [--rounds R] [--pair-cycles N]
+[--no-hiredis] [--json]``.
 """
 
 from __future__ import annotations
@@ -178,6 +184,59 @@ def time_batch(op: Callable[[], None], cycles: int) -> list[float]:
         start = clock()
         op()
         append((clock() - start) / 1000.0)
+    return out
+
+
+#: (numerator, denominator, target or None) timed alternately, cycle by cycle.
+PAIRS: tuple[tuple[str, str, float | None], ...] = (
+    ("lock-urls-1", "ours-1r", 1.03),
+    ("lock-app-1", "ours-1r", 1.03),
+    ("lock-urls-1", "ours-1", 1.03),
+    ("ours-1r", "ours-1", None),
+    ("lock-urls-1", "raw", 1.10),
+    ("lock-urls-5", "lock-urls-1", 1.6),
+    ("scripts-5", "scripts-1", None),
+)
+
+
+def time_in_turn(
+    first: Callable[[], None], second: Callable[[], None], pairs: int
+) -> tuple[list[float], list[float]]:
+    """Run ``first`` and ``second`` one after the other ``pairs`` times; microseconds per call
+    of each."""
+    clock = time.perf_counter_ns
+    out_first: list[float] = []
+    out_second: list[float] = []
+    for _ in range(pairs):
+        start = clock()
+        first()
+        middle = clock()
+        second()
+        end = clock()
+        out_first.append((middle - start) / 1000.0)
+        out_second.append((end - middle) / 1000.0)
+    return out_first, out_second
+
+
+def measure_in_turn(variants: dict[str, Variant], pairs: int, rounds: int) -> dict[str, Any]:
+    """Each of :data:`PAIRS` timed in turn: per round the ratio of the two medians."""
+    out: dict[str, Any] = {}
+    for num, den, target in PAIRS:
+        ratios: list[float] = []
+        for r in range(rounds):
+            gc.collect()
+            if r % 2 == 0:
+                a, b = time_in_turn(variants[num].op, variants[den].op, pairs)
+            else:
+                b, a = time_in_turn(variants[den].op, variants[num].op, pairs)
+            ratios.append(statistics.median(a) / statistics.median(b))
+        paired = statistics.median(ratios)
+        out[f"{num}/{den}"] = {
+            "paired": round(paired, 3),
+            "round_ratios": [round(x, 3) for x in ratios],
+            "target": target,
+            "met": None if target is None else paired <= target,
+        }
     return out
 
 
@@ -396,6 +455,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 v.round_medians.append(statistics.median(times))
                 v.round_client_cpu.append((cpu1 - cpu0) * 1e6 / args.cycles)
                 v.round_server_cpu.append((srv1 - srv0) * 1e6 / args.cycles)
+        in_turn = (
+            measure_in_turn({v.name: v for v in variants}, args.pair_cycles, args.rounds)
+            if args.pair_cycles
+            else {}
+        )
         checks = build_checks(redlock_urls)
         for check in checks:
             check.op()  # scripts loaded, connections open
@@ -430,11 +494,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds,
             "warmup": args.warmup,
             "check_cycles": args.check_cycles,
+            "pair_cycles": args.pair_cycles,
             "ttl_s": TTL_S,
             "pin": placement,
         },
         "variants": figures,
         "ratios": ratios,
+        "in_turn": in_turn,
         "left_behind": {
             c.name: {
                 "cycles": c.cycles,
@@ -481,6 +547,14 @@ def print_report(result: dict[str, Any]) -> None:
             if r["met_median"] != r["met_mean"]:
                 line += f" (on means: {'met' if r['met_mean'] else 'MISSED'})"
         print(line)
+    if result.get("in_turn"):
+        print(f"\nratios timed in turn, cycle by cycle ({s['pair_cycles']} pairs per round):")
+        for key, r in result["in_turn"].items():
+            rounds = " ".join(f"{x:.3f}" for x in r["round_ratios"])
+            line = f"  {key:<24} paired {r['paired']:.3f}  ({rounds})"
+            if r["target"] is not None:
+                line += f"   target <= {r['target']}: {'met' if r['met'] else 'MISSED'}"
+            print(line)
     print("\nRedlock release: cycles after which a copy of the key was still on a master")
     for name, c in result["left_behind"].items():
         print(
@@ -502,6 +576,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=3000,
         help="untimed Redlock cycles per library checked for copies left behind",
+    )
+    parser.add_argument(
+        "--pair-cycles",
+        type=int,
+        default=1000,
+        help="pairs per round for the ratios timed in turn (0: skip them)",
     )
     parser.add_argument(
         "--pin",
