@@ -13,6 +13,7 @@ calling ``lock()`` often costs no new connections.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -34,6 +35,18 @@ R = TypeVar("R")
 class LockGuard:
     """What :func:`lock` returns: enter it for a :class:`Lease`, or decorate a function."""
 
+    __slots__ = (
+        "_backend",
+        "_held",
+        "_holder",
+        "_interval",
+        "_key",
+        "_max_hold",
+        "_on_lost",
+        "_ttl",
+        "_wait",
+    )
+
     def __init__(
         self,
         manager: Backend,  # the name it always had: callers may pass it by keyword
@@ -46,7 +59,10 @@ class LockGuard:
         self._key = key
         self._ttl = ttl
         self._wait = wait
-        self._options = options
+        self._holder: str | None = options.get("holder")
+        self._interval: float | None = options.get("interval")
+        self._max_hold: float | None = options.get("max_hold")
+        self._on_lost: LostCallback | None = options.get("on_lost")
         # The leases entered, per thread (a decorated function may run in several at once,
         # and re-enter itself). A dict keyed by thread: a threading.local costs ~2 us more
         # per lock() call, most of what the guard adds to an uncontended cycle.
@@ -55,13 +71,21 @@ class LockGuard:
     def acquire(self) -> Lease:
         """Take the lease now (the arguments were checked when the lock was defined)."""
         try:
-            return self._backend.acquire_checked(self._key, self._ttl, self._wait, **self._options)
+            return self._backend.acquire_checked(
+                self._key,
+                self._ttl,
+                self._wait,
+                holder=self._holder,
+                interval=self._interval,
+                max_hold=self._max_hold,
+                on_lost=self._on_lost,
+            )
         except LockContended as exc:
             lock_contended.send(
                 sender=None,
                 key=self._key,
                 token=None,
-                task_id=self._options.get("holder"),
+                task_id=self._holder,
                 holder=exc.holder,
                 policy="raise" if not self._wait else "wait",
                 retry_in=None,
@@ -125,11 +149,16 @@ def lock(
     """
     backend = backend_for(app_or_urls)
     check_key(key)
-    factor = backend.settings.drift_factor
-    ttl = backend.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
-    interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
-    if wait is not None:
-        wait = check_seconds("wait", wait, allow_zero=True)
+    settings = backend.settings
+    ttl = settings.ttl if ttl is None else check_ttl("ttl", ttl, settings.drift_factor)
+    if not renew:
+        interval = None
+    elif renew_interval is None:
+        interval = ttl / 3.0  # check_renew_interval's default, without the call
+    else:
+        interval = check_renew_interval(renew_interval, ttl, settings.drift_factor)
+    if wait is not None and (type(wait) is not float or not 0.0 <= wait < math.inf):
+        wait = check_seconds("wait", wait, allow_zero=True)  # a float in range passes as is
     if max_hold is not None:
         max_hold = check_seconds("max_hold", max_hold)
     if holder is not None and not isinstance(holder, str):

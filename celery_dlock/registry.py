@@ -10,7 +10,6 @@ reuse the same connections. Which backend serves a URL list is the URL scheme's 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,8 @@ _managers: dict[Settings, Backend] = {}
 #: URL lists already checked, as given: ``lock(urls, key)`` parses and checks them once, not
 #: on every call (that was about a fifth of an uncontended lock cycle).
 _by_urls: dict[tuple[str, ...], Backend] = {}
-_app_managers: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
+#: The attribute of a Celery app that holds its backend, once its settings were read.
+_ON_APP = "_celery_dlock_backend"
 _registry_lock = threading.Lock()
 
 
@@ -48,10 +48,11 @@ def manager_for(app_or_urls: Any) -> Backend:
         if manager is not None:
             return manager
     if hasattr(app_or_urls, "conf"):
-        manager = _app_managers.get(app_or_urls)
+        # Kept on the app itself: a WeakKeyDictionary lookup builds a weakref per call.
+        manager = getattr(app_or_urls, _ON_APP, None)
         if manager is None:
             manager = manager_for_settings(settings_from_app(app_or_urls))
-            _app_managers[app_or_urls] = manager
+            setattr(app_or_urls, _ON_APP, manager)
         return manager
     if isinstance(app_or_urls, str | Sequence):
         given = (app_or_urls,) if isinstance(app_or_urls, str) else tuple(app_or_urls)
@@ -80,7 +81,6 @@ backend_for = manager_for
 
 def forget(app: Any) -> None:
     """Drop the manager cached for ``app`` and its tasks' resolved settings."""
-    with _registry_lock:
-        _app_managers.pop(app, None)
+    vars(app).pop(_ON_APP, None)
     for task in getattr(app, "_tasks", {}).values():
         task.__dict__.pop("_dlock_resolved", None)
