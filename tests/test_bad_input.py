@@ -130,6 +130,9 @@ def test_key_must_be_non_empty_and_bounded() -> None:
         ),
         (["rediss://h/0?ssl_certfile=/no/client.crt"], "ssl_certfile='/no/client.crt' is not"),
         ([42], "42 is a int, not a URL string"),
+        # Unhashable entries: the known-list lookup (a tuple key) must not hide the check's error.
+        ([{"url": "redis://h"}], "dlock_urls: {'url': 'redis://h'} is a dict, not a URL string"),
+        ([["redis://h"]], "dlock_urls: ['redis://h'] is a list, not a URL string"),
         (
             {"redis://h"},
             "needs a Celery app or a list of Redis URLs as its first argument, not set",
