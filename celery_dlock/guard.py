@@ -35,7 +35,12 @@ R = TypeVar("R")
 class LockGuard:
     """What :func:`lock` returns: enter it for a :class:`Lease`, or decorate a function."""
 
+    # Slots for the options read per acquire; ``__dict__`` and ``__weakref__`` kept, as before
+    # the slots: users set attributes on a guard (mock.patch.object in their tests) and keep
+    # weak references to it.
     __slots__ = (
+        "__dict__",
+        "__weakref__",
         "_backend",
         "_held",
         "_holder",

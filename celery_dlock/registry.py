@@ -9,7 +9,9 @@ reuse the same connections. Which backend serves a URL list is the URL scheme's 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,9 @@ _managers: dict[Settings, Backend] = {}
 _by_urls: dict[tuple[str, ...], Backend] = {}
 #: The attribute of a Celery app that holds its backend, once its settings were read.
 _ON_APP = "_celery_dlock_backend"
+#: The backends of apps that refuse that attribute (no ``__dict__``, a ``__setattr__`` of their
+#: own), weakly keyed as all apps' were before: only looked at when the attribute is missing.
+_app_managers: weakref.WeakKeyDictionary[Any, Backend] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
@@ -51,8 +56,7 @@ def manager_for(app_or_urls: Any) -> Backend:
         # Kept on the app itself: a WeakKeyDictionary lookup builds a weakref per call.
         manager = getattr(app_or_urls, _ON_APP, None)
         if manager is None:
-            manager = manager_for_settings(settings_from_app(app_or_urls))
-            setattr(app_or_urls, _ON_APP, manager)
+            manager = _app_manager(app_or_urls)
         return manager
     if isinstance(app_or_urls, str | Sequence):
         given = (app_or_urls,) if isinstance(app_or_urls, str) else tuple(app_or_urls)
@@ -74,6 +78,23 @@ def manager_for(app_or_urls: Any) -> Backend:
     )
 
 
+def _app_manager(app: Any) -> Backend:
+    """An app's backend when its attribute is not set: kept on the app if it takes the
+    attribute, else weakly keyed by it, else (neither) made from its settings on every call."""
+    try:
+        manager = _app_managers.get(app)
+    except TypeError:  # not weakly referable (celery.current_app, a Proxy, sets the attribute)
+        manager = None
+    if manager is None:
+        manager = manager_for_settings(settings_from_app(app))
+        try:
+            setattr(app, _ON_APP, manager)
+        except (AttributeError, TypeError):  # slots without __dict__, a refusing __setattr__
+            with contextlib.suppress(TypeError):  # nor weakly referable: settings read per call
+                _app_managers[app] = manager
+    return manager
+
+
 #: The shared backend for a Celery app (its ``dlock_*`` settings) or URL list; a backend given
 #: is returned as it is. The same function as :func:`manager_for` (no call in between).
 backend_for = manager_for
@@ -81,6 +102,10 @@ backend_for = manager_for
 
 def forget(app: Any) -> None:
     """Drop the manager cached for ``app`` and its tasks' resolved settings."""
-    vars(app).pop(_ON_APP, None)
+    namespace = getattr(app, "__dict__", None)  # a Proxy's is its current app's
+    if namespace is not None:
+        namespace.pop(_ON_APP, None)
+    with _registry_lock, contextlib.suppress(TypeError):  # TypeError: not weakly referable
+        _app_managers.pop(app, None)
     for task in getattr(app, "_tasks", {}).values():
         task.__dict__.pop("_dlock_resolved", None)

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import warnings
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -41,6 +42,46 @@ def test_bad_lock_options(kwargs: dict[str, Any], message: str) -> None:
         lock(GOOD, "k", **kwargs)
     assert message in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+class Seconds(float):
+    """A float subclass, as numpy.float64 is: checked as any number is, not passed as is."""
+
+
+@pytest.mark.parametrize(
+    ("wait", "message"),
+    [
+        (math.nan, "wait must be >= 0 seconds, got nan."),
+        (math.inf, "wait must be >= 0 seconds, got inf."),
+        (-math.inf, "wait must be >= 0 seconds, got -inf."),
+        (-1.0, "wait must be >= 0 seconds, got -1.0."),
+        (-5e-324, "wait must be >= 0 seconds, got -5e-324."),
+        (Seconds(-1.0), "wait must be >= 0 seconds, got -1.0."),
+        (Seconds(math.nan), "wait must be >= 0 seconds, got nan."),
+        (True, "wait must be a number of seconds, not True."),
+        (False, "wait must be a number of seconds, not False."),
+        (Decimal("1.5"), "wait must be a number of seconds, not Decimal('1.5')."),
+        ("1", "wait must be a number of seconds, not '1'."),
+    ],
+)
+def test_bad_wait_is_refused_as_it_always_was(wait: Any, message: str) -> None:
+    """lock() passes a wait that is a float in [0, inf) without its check: everything else
+    still gets the check's error, word for word."""
+    with pytest.raises(ConfigError) as info:
+        lock(GOOD, "k", wait=wait)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("wait", "kept"),
+    [(0.0, 0.0), (-0.0, 0.0), (2.5, 2.5), (1e308, 1e308), (0, 0.0), (3, 3.0), (Seconds(1.5), 1.5)],
+)
+def test_good_wait_is_kept_as_a_plain_float(wait: Any, kept: float) -> None:
+    """Accepted waits become plain floats (an int or float subclass converted), as before."""
+    guard = lock(GOOD, "k", wait=wait)
+    assert type(guard._wait) is float
+    assert guard._wait == kept
+    assert f"wait={float(wait)}" in repr(guard)
 
 
 def test_key_must_be_a_string() -> None:
@@ -89,6 +130,9 @@ def test_key_must_be_non_empty_and_bounded() -> None:
         ),
         (["rediss://h/0?ssl_certfile=/no/client.crt"], "ssl_certfile='/no/client.crt' is not"),
         ([42], "42 is a int, not a URL string"),
+        # Unhashable entries: the known-list lookup (a tuple key) must not hide the check's error.
+        ([{"url": "redis://h"}], "dlock_urls: {'url': 'redis://h'} is a dict, not a URL string"),
+        ([["redis://h"]], "dlock_urls: ['redis://h'] is a list, not a URL string"),
         (
             {"redis://h"},
             "needs a Celery app or a list of Redis URLs as its first argument, not set",

@@ -6,15 +6,17 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
-from celery import Celery
+from celery import Celery, current_app
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
 from celery_dlock.lease import Lease
-from celery_dlock.registry import manager_for
+from celery_dlock.registry import forget, manager_for
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer
 from tests.clients import client
@@ -609,6 +611,25 @@ def test_one_guard_entered_by_two_threads_releases_each_threads_own_lease(
     assert outer.released
 
 
+def test_a_guard_takes_attributes_and_weak_references_as_before_its_slots(
+    single_urls: list[str],
+) -> None:
+    """A guard is a plain object to its users: they patch its methods in their own tests,
+    set attributes on it and keep weak references to it (as before it got ``__slots__``)."""
+    guard = lock(single_urls, "patchable", ttl=5, renew=False)
+    assert weakref.ref(guard)() is guard
+    guard.note = "set by a user"  # type: ignore[attr-defined]
+    assert vars(guard) == {"note": "set by a user"}
+    # mock.patch.object sets the instance attribute; the real acquire still runs (wraps).
+    with mock.patch.object(guard, "acquire", wraps=guard.acquire) as spy:
+        with guard as lease:
+            assert lock_keys(single_urls, "patchable")[0] is not None
+        spy.assert_called_once_with()
+    assert lease.released
+    assert lock_keys(single_urls, "patchable") == [None]
+    assert "acquire" not in vars(guard)  # the patch undone: the class's method again
+
+
 def test_leaving_the_block_after_loss_raises_lock_lost(urls: list[str]) -> None:
     with (
         pytest.raises(LockLost, match=gone(urls)),
@@ -633,6 +654,64 @@ def test_lock_falls_back_to_a_redis_broker(single_urls: list[str]) -> None:
     app = Celery("test", set_as_current=False, broker=single_urls[0])
     with lock(app, "broker-fallback", ttl=5):
         assert lock_keys(single_urls, "broker-fallback")[0] is not None
+
+
+class FrozenApp(Celery):
+    """A Celery app that refuses attributes set after its construction (as some projects
+    freeze theirs): lock() must keep its backend elsewhere, as it did before."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False) and not hasattr(self, name):
+            raise AttributeError(f"{type(self).__name__} is frozen; cannot set {name!r}")
+        super().__setattr__(name, value)
+
+    def freeze(self) -> None:
+        self._frozen = True
+
+
+def test_lock_on_an_app_refusing_attributes_reads_its_settings_once(
+    single_urls: list[str],
+) -> None:
+    """An app whose ``__setattr__`` refuses new attributes: its settings are read once (as for
+    any app) and forget() drops them, so a changed prefix shows after forget() only."""
+    app = FrozenApp("frozen", set_as_current=False)
+    app.conf.dlock_urls = single_urls
+    app.conf.dlock_prefix = "frozen1"
+    app.freeze()
+    try:
+        with lock(app, "frozen-key", ttl=5, renew=False):
+            assert client(single_urls[0]).exists("frozen1:{frozen-key}")
+        assert manager_for(app) is manager_for(app)
+        app.conf.dlock_prefix = "frozen2"
+        assert manager_for(app).settings.prefix == "frozen1"  # read once, until forget()
+        forget(app)
+        with lock(app, "frozen-key", ttl=5, renew=False):
+            assert client(single_urls[0]).exists("frozen2:{frozen-key}")
+    finally:
+        forget(app)
+
+
+def test_lock_on_current_app_follows_the_current_app(single_urls: list[str]) -> None:
+    """``celery.current_app`` (a proxy, not weakly referable) names whichever app is current:
+    lock() uses that app's settings, and forget(current_app) forgets the current app's."""
+    before = current_app._get_current_object()
+    first = app_for(single_urls, dlock_prefix="current1")
+    second = app_for(single_urls, dlock_prefix="current2")
+    try:
+        first.set_current()
+        assert lock(current_app, "now", ttl=5).acquire().release()
+        assert client(single_urls[0]).exists("current1:{now}:fence")
+        second.set_current()
+        assert manager_for(current_app) is manager_for(second)
+        assert manager_for(current_app).settings.prefix == "current2"
+        second.conf.dlock_prefix = "current3"
+        forget(current_app)
+        assert manager_for(second).settings.prefix == "current3"
+        assert manager_for(first).settings.prefix == "current1"
+    finally:
+        before.set_current()
+        forget(first)
+        forget(second)
 
 
 # -- fork ------------------------------------------------------------------------------------
