@@ -630,6 +630,20 @@ def test_a_guard_takes_attributes_and_weak_references_as_before_its_slots(
     assert "acquire" not in vars(guard)  # the patch undone: the class's method again
 
 
+def test_a_guard_built_directly_passes_every_option_it_is_given(single_urls: list[str]) -> None:
+    """``LockGuard(manager, key, ttl, wait, options)`` hands the backend all of ``options``, as
+    it always did, not only the four that lock() sets."""
+    from celery_dlock import LockGuard
+
+    manager = manager_for(single_urls)
+    options = {"holder": None, "interval": None, "max_hold": None, "on_lost": None}
+    with LockGuard(manager, "direct-guard", 5.0, 0.0, {**options, "fence_retention": 60.0}):
+        retention = client(single_urls[0]).pttl("dlock:{direct-guard}:fence")
+    assert 50_000 < retention <= 60_000, retention
+    with pytest.raises(TypeError), LockGuard(manager, "direct-guard", 5.0, 0.0, {}):
+        pass  # acquire_checked's required options missing: refused as before
+
+
 def test_leaving_the_block_after_loss_raises_lock_lost(urls: list[str]) -> None:
     with (
         pytest.raises(LockLost, match=gone(urls)),
