@@ -52,12 +52,14 @@ def manager_for(app_or_urls: Any) -> Backend:
             manager = None
         if manager is not None:
             return manager
+    else:
+        # An app seen before keeps its backend on itself: one attribute read, before even
+        # asking for its ``conf`` (a property). A WeakKeyDictionary builds a weakref per call.
+        kept: Backend | None = getattr(app_or_urls, _ON_APP, None)
+        if kept is not None:
+            return kept
     if hasattr(app_or_urls, "conf"):
-        # Kept on the app itself: a WeakKeyDictionary lookup builds a weakref per call.
-        manager = getattr(app_or_urls, _ON_APP, None)
-        if manager is None:
-            manager = _app_manager(app_or_urls)
-        return manager
+        return _app_manager(app_or_urls)
     if isinstance(app_or_urls, str | Sequence):
         given = (app_or_urls,) if isinstance(app_or_urls, str) else tuple(app_or_urls)
         try:
