@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
+import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
@@ -103,3 +105,15 @@ class ReleasingFloor:
     def give_back(self, key: str) -> None:
         self.conn.send_command("DEL", key)
         self.unread = True
+
+
+def callgrind_total(argv: Sequence[str], out: Path, what: str) -> int:
+    """Instructions callgrind counts in the whole run of ``argv`` (a Python command line),
+    with ``PYTHONHASHSEED=0`` so that runs of one row compare."""
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *argv]
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode or found is None:
+        raise RuntimeError(f"callgrind run of {what} failed: {done.stderr[-2000:]}")
+    return int(found.group(1))

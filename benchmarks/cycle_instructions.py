@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from _common import callgrind_total
 
 WARMUP = 300
 SMALL, LARGE = 100, 400
@@ -48,14 +43,7 @@ def child(row: str, count: int, urls: list[str]) -> None:
 
 def collected(row: str, count: int, urls: list[str], out: Path) -> int:
     """Instructions callgrind collected for one child run of ``count`` cycles."""
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-    cmd += [__file__, "--child", row, str(count), *urls]
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode or found is None:
-        raise RuntimeError(f"callgrind run of {row} failed: {done.stderr[-2000:]}")
-    return int(found.group(1))
+    return callgrind_total([__file__, "--child", row, str(count), *urls], out, row)
 
 
 def main() -> None:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from _common import callgrind_total
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -96,14 +95,8 @@ def _opcodes(run: Any, count: int) -> tuple[int, collections.Counter[str]]:
 
 def collected(row: str, count: int, urls: list[str], gc_off: bool, out: Path) -> int:
     """Instructions callgrind collected for one child run of ``count`` tasks."""
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-    cmd += [__file__, "--child", row, str(count), *urls] + (["--gc-off"] if gc_off else [])
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if found is None:
-        raise RuntimeError(f"no callgrind total for {row}: {done.stderr[-2000:]}")
-    return int(found.group(1))
+    argv = [__file__, "--child", row, str(count), *urls] + (["--gc-off"] if gc_off else [])
+    return callgrind_total(argv, out, row)
 
 
 def main() -> None:

@@ -46,10 +46,7 @@ def manager_for(app_or_urls: Any) -> Backend:
     """The shared backend for a Celery app (its ``dlock_*`` settings, read once) or URL list;
     a backend given is returned as it is."""
     if type(app_or_urls) is list:  # the usual URL list, already seen: one lookup
-        try:
-            manager = _by_urls.get(tuple(app_or_urls))
-        except TypeError:  # an unhashable entry: not a URL; check_urls says so below
-            manager = None
+        manager = _seen(tuple(app_or_urls))
         if manager is not None:
             return manager
     else:
@@ -62,10 +59,7 @@ def manager_for(app_or_urls: Any) -> Backend:
         return _app_manager(app_or_urls)
     if isinstance(app_or_urls, str | Sequence):
         given = (app_or_urls,) if isinstance(app_or_urls, str) else tuple(app_or_urls)
-        try:
-            manager = _by_urls.get(given)
-        except TypeError:  # an unhashable entry: not a URL; check_urls says so below
-            manager = None
+        manager = _seen(given)
         if manager is None:
             manager = manager_for_settings(Settings(urls=check_urls(app_or_urls)))
             if len(_by_urls) < 1000:  # URL lists built per call must not grow this unbounded
@@ -78,6 +72,14 @@ def manager_for(app_or_urls: Any) -> Backend:
         "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
         f"{type(app_or_urls).__name__} ({app_or_urls!r})."
     )
+
+
+def _seen(urls: tuple[Any, ...]) -> Backend | None:
+    """The backend of a URL list checked before, as given; None if new or not hashable."""
+    try:
+        return _by_urls.get(urls)
+    except TypeError:  # an unhashable entry: not a URL; check_urls says so
+        return None
 
 
 def _app_manager(app: Any) -> Backend:

@@ -563,27 +563,22 @@ def test_one_guard_entered_by_two_threads_releases_each_threads_own_lease(
     leases: dict[str, Lease] = {}
     errors: list[BaseException] = []
 
-    def first() -> None:
+    def hold(name: str, entered: threading.Event, until: threading.Event) -> None:
         try:
             with guard as lease:
-                leases["first"] = lease
-                first_in.set()
-                assert second_in.wait(10)
+                leases[name] = lease
+                entered.set()
+                assert until.wait(10)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
         finally:
-            first_out.set()
+            if name == "first":
+                first_out.set()
 
-    def second() -> None:
-        try:
-            with guard as lease:
-                leases["second"] = lease
-                second_in.set()
-                assert second_may_leave.wait(10)
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads = [
+        threading.Thread(target=hold, args=("first", first_in, second_in)),
+        threading.Thread(target=hold, args=("second", second_in, second_may_leave)),
+    ]
     threads[0].start()
     assert first_in.wait(10)
     delete_lock(single_urls, "shared-guard")  # taken from the first thread behind its back
