@@ -26,6 +26,7 @@ from celery_dlock.task import SingletonTask
 
 try:
     __version__ = version("celery-dlock")
+    """The installed distribution's version; ``"0+unknown"`` in a source tree never installed."""
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 

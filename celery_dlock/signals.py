@@ -18,16 +18,16 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-#: A lease was taken. Extra: ``waited`` (seconds spent waiting for it).
 lock_acquired = Signal(name="dlock_lock_acquired")
-#: The key was held by another. Extra: ``holder`` (a :class:`~celery_dlock.Holder` or None),
-#: ``policy`` (what happens now: "drop", "requeue", "raise", "wait", or "merge" when an
-#: enqueue-time duplicate was answered with the queued task's result; from ``lock()``, "raise"
-#: when it would not wait and "wait" when its wait ran out), and ``retry_in``
-#: (seconds until a requeued duplicate comes back; None for other policies).
+"""A lease was taken. Extra: ``waited`` (seconds spent waiting for it)."""
 lock_contended = Signal(name="dlock_lock_contended")
-#: A held lease was lost. Extra: ``reason``, ``held_for`` (seconds since it was taken).
+"""The key was held by another. Extra: ``holder`` (a :class:`~celery_dlock.Holder` or None),
+``policy`` (what happens now: "drop", "requeue", "raise", "wait", or "merge" when an
+enqueue-time duplicate was answered with the queued task's result; from ``lock()``, "raise"
+when it would not wait and "wait" when its wait ran out), and ``retry_in`` (seconds until a
+requeued duplicate comes back; None for other policies)."""
 lock_lost = Signal(name="dlock_lock_lost")
-#: A lease was given back. Extra: ``held_for`` (seconds), ``confirmed`` (a quorum deleted it;
-#: None when the release was sent without waiting, as at the end of a task).
+"""A held lease was lost. Extra: ``reason``, ``held_for`` (seconds since it was taken)."""
 lock_released = Signal(name="dlock_lock_released")
+"""A lease was given back. Extra: ``held_for`` (seconds), ``confirmed`` (a quorum deleted it;
+None when the release was sent without waiting, as at the end of a task)."""

@@ -7,7 +7,7 @@ set -euo pipefail
 echo "== ruff"; ruff check . && ruff format --check .
 echo "== mypy (strict)"; mypy celery_dlock example_project
 echo "== import layers and cycles (import-linter)"; lint-imports --no-cache
-echo "== docs (mkdocs --strict)"; mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+echo "== docs (mkdocs --strict)"; NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 # Debian-only test tools: installed when missing and we may (root); their tests skip otherwise.
 if ! command -v faketime >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -1,4 +1,4 @@
-"""The quick start in docs/index.md, run as written: a fresh virtualenv, the documented pip
+"""The tutorial (docs/tutorial.md), run as written: a fresh virtualenv, the documented pip
 lines (the package from this checkout), the throwaway Redis, ``proj.py``, a real worker, and
 ``try.py`` whose output must match the page's.
 
@@ -25,14 +25,17 @@ from celery_dlock.testing import free_port, terminate
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "index.md"
+PAGE = ROOT / "docs" / "tutorial.md"
 BLOCK = re.compile(r"<!-- test: quickstart (?P<what>[^>]*) -->\s*```\w*\n(?P<text>.*?)```", re.S)
 
 
 def quickstart(port: int) -> dict[str, str]:
     """The page's quick-start blocks by their mark, with the user's port replaced."""
     blocks = {m["what"].strip(): m["text"] for m in BLOCK.finditer(PAGE.read_text())}
-    assert set(blocks) >= {"shell server", "file proj.py", "shell worker", "file try.py", "output"}
+    assert set(blocks) >= {
+        "shell server", "file proj.py", "shell worker", "file try.py", "output", "shell check",
+        "check output",
+    }  # fmt: skip
     return {what: text.replace("6379", str(port)) for what, text in blocks.items()}
 
 
@@ -123,7 +126,7 @@ def test_the_quick_start_as_written(
         )  # fmt: skip
     started.append(worker)
     text = wait_for_line(log, "ready.", worker, 60)
-    assert f"celery_dlock: 1 singleton task(s); locks on redis://127.0.0.1:{port}/2" in text
+    assert f"celery_dlock: 1 singleton task(s); locks on redis://127.0.0.1:{port}/1" in text
 
     # Step 4: the calls, and the output the page shows.
     done = subprocess.run(
@@ -137,3 +140,13 @@ def test_the_quick_start_as_written(
     for example in ("6f1d…", "myhost", "4242", "1764…"):
         pattern = pattern.replace(re.escape(example), r"\S+")
     assert re.fullmatch(pattern, done.stdout.strip()), (shown, done.stdout)
+
+    # Step 5: the operator command, with the output the page shows.
+    (check_line,) = commands(page["shell check"])
+    assert check_line[:3] == ["celery", "-A", "proj"], check_line
+    done = subprocess.run(
+        [str(bin_dir / "celery"), *check_line[1:]], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == page["check output"].strip(), (page["check output"], done.stdout)
