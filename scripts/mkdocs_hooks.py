@@ -21,7 +21,10 @@ def missing_reference() -> list[str]:
     """What is wrong with the reference, one line per public name; empty when all is well."""
     import griffe
 
-    package = griffe.load("celery_dlock", search_paths=[str(ROOT)], resolve_aliases=True)
+    habits = griffe.load_extensions(f"{ROOT / 'scripts' / 'griffe_roles.py'}:SphinxHabits")
+    package = griffe.load(
+        "celery_dlock", search_paths=[str(ROOT)], resolve_aliases=True, extensions=habits
+    )
     public = package.members["__all__"].value
     names = [str(item).strip("'\"") for item in public.elements]  # type: ignore[union-attr]
     entries = set(ENTRY.findall(API_PAGE.read_text()))
