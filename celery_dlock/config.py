@@ -293,7 +293,7 @@ def misnamed_settings(conf: Any, namespace: str | None = None) -> list[str]:
     except Exception:  # a configuration object that cannot list its keys: nothing to check
         return []
     prefix = f"{namespace.rstrip('_')}_" if namespace else ""
-    problems = []
+    problems: list[str] = []
     for name in sorted(set(names)):
         lowered = name.lower()
         has_prefix = bool(prefix) and lowered.startswith(prefix.lower())
@@ -305,7 +305,8 @@ def misnamed_settings(conf: Any, namespace: str | None = None) -> list[str]:
         known = bare in SETTINGS
         close = bare if known else next(iter(difflib.get_close_matches(bare, SETTINGS, n=1)), "")
         # The name Celery looks up: the namespaced one, unless set lowercase on app.conf.
-        wanted = _match_case(prefix + close, prefix) if prefix and name != lowered else close
+        namespaced = has_prefix or (bool(prefix) and name != lowered)
+        wanted = _match_case(prefix + close, prefix) if namespaced else close
         if known and name == wanted:
             continue
         if not known:

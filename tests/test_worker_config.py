@@ -34,20 +34,31 @@ def replicate():
 START = 60.0
 
 
-def worker(tmp_path: Path, name: str, broker: str, settings: str) -> tuple[int | None, str]:
-    """Run ``celery -A name worker`` until it exits or says it is ready; its exit status
-    (None: still running, stopped by the test) and its output."""
-    (tmp_path / f"{name}.py").write_text(
-        MODULE.format(name=name, broker=broker, settings=textwrap.dedent(settings))
-    )
+def worker(
+    tmp_path: Path,
+    name: str,
+    broker: str,
+    settings: str,
+    *,
+    module: bool = True,
+    args: tuple[str, ...] = (),
+) -> tuple[int | None, str]:
+    """Run ``celery -A name worker`` in ``tmp_path`` until it exits or says it is ready; its
+    exit status (None: it started, and the test stopped it) and its output. With ``module``,
+    ``name``.py is written first: an app on ``broker`` with ``settings`` and a SingletonTask."""
+    if module:
+        (tmp_path / f"{name}.py").write_text(
+            MODULE.format(name=name, broker=broker, settings=textwrap.dedent(settings))
+        )
     log = tmp_path / f"{name}.log"
-    args = [
+    command = [
         sys.executable, "-m", "celery", "-A", name, "worker", "-P", "solo", "-l", "INFO",
         "--without-gossip", "--without-mingle", "--without-heartbeat", "--logfile", str(log),
+        *args,
     ]  # fmt: skip
     with open(tmp_path / f"{name}.out", "w+b") as out:
         process = subprocess.Popen(
-            args, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + START
         try:
