@@ -32,6 +32,20 @@ if [ ! -e /usr/share/java/zookeeper.jar ]; then
         echo "== no ZooKeeper (/usr/share/java/zookeeper.jar) and not root: the ZooKeeper tests will skip"
     fi
 fi
+# RabbitMQ (Debian's rabbitmq-server package, Erlang) for the broker-dependent rows of the
+# exit-path matrix; tests/rabbitmq.py starts a private broker per test process. The package's
+# own service is neither started nor needed (no systemd here; policy-rc.d may refuse it).
+if [ ! -e /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "== installing rabbitmq-server (Debian package) for the RabbitMQ broker tests"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server >/dev/null 2>&1; } \
+            || echo "   could not install rabbitmq-server: the RabbitMQ tests will skip"
+    else
+        echo "== no RabbitMQ (/usr/lib/rabbitmq/bin/rabbitmq-server) and not root: the RabbitMQ tests will skip"
+    fi
+fi
 # Two processes by default: whole files go to one process each, so a module's workers and
 # servers stay with its tests. DLOCK_TEST_PROCESSES changes it (0: all in this process); with
 # servers of your own (DLOCK_TEST_REDIS_URLS) it is 0, as the two would flush each other's keys.

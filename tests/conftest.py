@@ -123,6 +123,19 @@ def zookeeper_session_url() -> Iterator[str]:
         close_all()  # before the server goes, or kazoo would keep reconnecting until exit
 
 
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> Iterator[str]:
+    """The Celery broker URL of a RabbitMQ server of this test process (``amqp://``), started
+    on first use and stopped at the end of the session; skips, saying why, without one."""
+    from tests.rabbitmq import rabbitmq, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with rabbitmq() as server:
+        yield server.url
+
+
 @pytest.fixture
 def zookeeper_urls(zookeeper_session_url: str) -> list[str]:
     """The ZooKeeper lock store, emptied before the test."""
