@@ -147,7 +147,11 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
         report.problems.append(str(exc))
         return report
     if reach:
-        report.nodes = backend.check()
+        try:
+            report.nodes = backend.check()
+        except ConfigError as exc:  # found on contact: two URLs reach one Redis server
+            report.problems.append(str(exc))
+            return report
     else:
         report.nodes = [(url, None) for url in backend.endpoints()]
     failed = {url: error for url, error in report.nodes if error is not None}

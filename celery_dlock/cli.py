@@ -10,7 +10,8 @@ the app's ``dlock_*`` settings (single Redis, Redlock or ZooKeeper) like the wor
     celery -A proj dlock check [--no-reach]
 
 Each is built on the function of the same name in :mod:`celery_dlock.admin`, which does the
-same from Python.
+same from Python. ``show`` exits with status 1 when the lock is free (as ``test -e`` does for
+a file), ``check`` when it found a problem.
 
 ``release`` does not merely delete the key: it marks the holder's acquisition revoked, so its
 next renewal reports the lease lost (and a task using ``on_lock_lost="raise"`` is stopped),
@@ -54,7 +55,17 @@ def _plain_errors(command: F) -> F:
 
 
 def _app(ctx: click.Context) -> Any:
-    return ctx.obj.app
+    """The app of ``-A``; a usage error when none was given and nothing else names where the
+    locks are (Celery would hand over its default app, whose broker is unset)."""
+    app = ctx.obj.app
+    if not ctx.find_root().params.get("app") and not (
+        app.conf.get("dlock_urls") or app.conf.get("broker_url")
+    ):
+        raise click.UsageError(
+            "no Celery app given: pass -A/--app with the module of your app, as for the worker "
+            "(celery -A proj dlock ...), so that its dlock_urls (or broker) are used."
+        )
+    return app
 
 
 def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
@@ -126,6 +137,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     row = info.as_dict()
     if as_json:
         ctx.obj.echo(json.dumps(row))
+        if info.holder is None:
+            ctx.exit(1)
         return
     zookeeper = _on_zookeeper(backend_for(_app(ctx)))
     if info.holder is None:
@@ -135,7 +148,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
             ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")
         else:
             ctx.obj.echo(f"{key!r} is not held; the last fencing token issued was {info.fence}")
-        return
+        ctx.exit(1)  # like `test -e`: a script can tell a held lock from a free one
     for name, value in row.items():
         if name == "ttl_left" and value is None and zookeeper:
             ctx.obj.echo(f"{name:9} - ({NO_TTL})")

@@ -273,22 +273,64 @@ SETTINGS = (
 DEFAULT_BEAT_TTL = 10.0
 
 
-def check_setting_names(conf: Any) -> None:
-    """Refuse a ``dlock_*`` setting this library does not have, naming the closest one."""
+def check_setting_names(conf: Any, namespace: str | None = None) -> None:
+    """Refuse every ``dlock_*`` setting this library does not have, and every one Celery does
+    not read, all in one error, each named as the user wrote it with the name to write.
+
+    ``namespace`` is the app's (``config_from_object(..., namespace="CELERY")``, Django's
+    usual): Celery then reads ``CELERY_DLOCK_URLS`` (and ``dlock_urls`` set on ``app.conf``),
+    so a ``DLOCK_URLS`` without the prefix is ignored, and a hint must name the prefixed form.
+    """
+    problems = misnamed_settings(conf, namespace)
+    if problems:
+        raise ConfigError(f"{'; '.join(problems)}. The settings are {', '.join(SETTINGS)}.")
+
+
+def misnamed_settings(conf: Any, namespace: str | None = None) -> list[str]:
+    """One line per ``dlock_*`` setting of ``conf`` that is misspelt or not read by Celery."""
     try:
         names = [str(name) for name in conf]
     except Exception:  # a configuration object that cannot list its keys: nothing to check
-        return
-    for name in names:
+        return []
+    prefix = f"{namespace.rstrip('_')}_" if namespace else ""
+    problems: list[str] = []
+    for name in sorted(set(names)):
         lowered = name.lower()
-        bare = lowered.removeprefix("celery_")  # a Django-style CELERY_ namespace
-        if bare.startswith("dlock_") and bare not in SETTINGS:
-            close = difflib.get_close_matches(bare, SETTINGS, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"setting {name!r} is not a celery_dlock setting (they are "
-                f"{', '.join(SETTINGS)}).{hint}"
+        has_prefix = bool(prefix) and lowered.startswith(prefix.lower())
+        bare = lowered[len(prefix) :] if has_prefix else lowered
+        django_style = not prefix and bare.startswith("celery_dlock_")
+        bare = bare.removeprefix("celery_") if django_style else bare
+        if not bare.startswith("dlock_"):
+            continue
+        known = bare in SETTINGS
+        close = bare if known else next(iter(difflib.get_close_matches(bare, SETTINGS, n=1)), "")
+        # The name Celery looks up: the namespaced one, unless set lowercase on app.conf.
+        namespaced = has_prefix or (bool(prefix) and name != lowered)
+        wanted = _match_case(prefix + close, prefix) if namespaced else close
+        if known and name == wanted:
+            continue
+        if not known:
+            hint = f" (did you mean {wanted!r}?)" if close else ""
+            problems.append(f"setting {name!r} is not a celery_dlock setting{hint}")
+            continue
+        if prefix:
+            why = f"this app reads its settings with namespace={namespace!r}, so "
+        elif django_style:
+            why = (
+                "Celery reads CELERY_-prefixed settings only with config_from_object(..., "
+                "namespace='CELERY'); without a namespace "
             )
+        else:
+            why = ""
+        problems.append(f"setting {name!r} is ignored: {why}Celery looks for {wanted!r}")
+    return problems
+
+
+def _match_case(name: str, like: str) -> str:
+    """``name`` in the case of ``like`` (Celery's rule for a namespaced setting's name)."""
+    if like.isupper():
+        return name.upper()
+    return name.lower() if like.islower() else name
 
 
 def beat_settings(app: Any) -> tuple[str, float]:
@@ -330,7 +372,7 @@ def settings_from_app(app: Any, fallback: tuple[Any, str] | None = None) -> Sett
     """Read the ``dlock_*`` settings of a Celery app; ``dlock_urls`` falls back to
     ``fallback`` (URLs and the setting they came from, for its errors), then the broker."""
     conf = app.conf
-    check_setting_names(conf)
+    check_setting_names(conf, getattr(app, "namespace", None))
     urls = conf.get("dlock_urls")
     setting = "dlock_urls"
     if urls is None and fallback is not None:

@@ -16,9 +16,12 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 * ``before_task_publish`` (beat processes): a scheduled SingletonTask's send takes its tick
   key, or is marked as a duplicate of the send that has it (see :mod:`celery_dlock.beat`).
 * ``worker_process_shutdown`` (pool child): release whatever the process still holds.
+* ``celeryd_after_setup`` (worker parent, before it consumes): a lock configuration that can
+  never work (a wrong scheme, a misspelt ``dlock_*`` setting, a bad value) stops the worker
+  with exit status 1, each problem logged, instead of a worker that fails every SingletonTask.
 * ``worker_ready`` (worker parent): one line saying where the locks are, or one warning when
-  the lock nodes cannot be reached (or the settings name none), instead of every task
-  finding out by itself and being requeued for minutes.
+  the lock nodes cannot be reached, instead of every task finding out by itself and being
+  requeued for minutes. An unreachable node may come back: the worker runs on.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import logging
 import socket
 from typing import Any
 
+from celery.platforms import EX_FAILURE
 from celery.signals import (
     before_task_publish,
+    celeryd_after_setup,
     task_revoked,
     worker_process_shutdown,
     worker_ready,
@@ -158,6 +163,36 @@ def release_held(**_: Any) -> None:
         lease.release()
 
 
+@celeryd_after_setup.connect
+def refuse_impossible_config(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    """Stop a starting worker whose lock settings can never work: its SingletonTasks would
+    all fail, and a misspelt setting would put the locks where the user did not mean."""
+    app = getattr(instance, "app", None)
+    if app is None:
+        return
+    try:
+        report = admin.check(app, reach=False)
+    except Exception:  # a diagnosis that fails is no reason to refuse a worker
+        log_start.exception("celery_dlock: could not check the lock settings")
+        return
+    if report.ok or not (report.tasks or _mentions_locks(app.conf)):
+        return  # fine, or an app that does not use celery_dlock's settings at all
+    for problem in report.problems:
+        log_start.critical("celery_dlock: %s", problem)
+    log_start.critical(
+        "celery_dlock: the worker stops: its lock settings cannot work (fix the above; "
+        "`celery -A <app> dlock check` checks them without starting a worker)."
+    )
+    raise SystemExit(EX_FAILURE)  # Celery's worker stops with this status
+
+
+def _mentions_locks(conf: Any) -> bool:
+    try:
+        return any("dlock_" in str(name).lower() for name in conf)
+    except Exception:  # a configuration that cannot list its keys
+        return False
+
+
 @worker_ready.connect
 def say_where_locks_are(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
@@ -174,7 +209,7 @@ def say_where_locks_are(sender: Any = None, **_: Any) -> None:
     if report.ok:
         log_start.info("celery_dlock: %d singleton task(s); locks on %s", len(report.tasks), urls)
         return
-    if not report.nodes:  # the settings themselves are wrong
+    if not report.nodes:  # the settings themselves are wrong (a worker stopped at setup)
         effect = "every SingletonTask fails with ConfigError until they are fixed"
     elif report.quorum_reached:
         effect = "locks still work with the nodes that answered"

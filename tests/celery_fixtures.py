@@ -107,6 +107,12 @@ def wa(mode: Mode) -> Any:
     os.environ.update(mode.env)
     from tests import worker_app
 
+    if worker_app.app.conf.broker_url != mode.env["DLOCK_TEST_BROKER"]:
+        # Another broker (a RabbitMQ pass): no connection of the previous one may be reused.
+        if worker_app.app._pool is not None:
+            worker_app.app._pool.force_close_all()
+        worker_app.app._pool = None
+        worker_app.app.amqp._producer_pool = None
     worker_app.app.conf.broker_url = mode.env["DLOCK_TEST_BROKER"]
     worker_app.app.conf.result_backend = mode.env["DLOCK_TEST_BACKEND"]
     use_lock_urls(worker_app.app, mode.lock_urls)

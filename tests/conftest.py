@@ -42,7 +42,8 @@ def _param_mode(item: pytest.Item) -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Drop the modes a module did not ask for (see ``MODES``); skip, on ZooKeeper, the tests
+    """Drop the modes a module did not ask for (see ``MODES``) and the parameter combinations
+    its ``KEEP(params)``, if it has one, refuses; skip, on ZooKeeper, the tests
     marked ``redis_only(reason)`` and those needing queued locks (``queued_locks``) until
     the ZooKeeper backend has them (``tests.zookeeper.QUEUED_LOCKS``)."""
     from tests.zookeeper import QUEUED_LOCKS, QUEUED_REASON
@@ -52,7 +53,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         mode = _param_mode(item)
         wanted = getattr(getattr(item, "module", None), "MODES", DEFAULT_MODES)
-        if mode is not None and mode not in wanted:
+        keep = getattr(getattr(item, "module", None), "KEEP", None)
+        callspec = getattr(item, "callspec", None)
+        if (mode is not None and mode not in wanted) or (
+            keep is not None and callspec is not None and not keep(callspec.params)
+        ):
             dropped.append(item)
             continue
         kept.append(item)
@@ -121,6 +126,19 @@ def zookeeper_session_url() -> Iterator[str]:
         from celery_dlock.zookeeper import close_all
 
         close_all()  # before the server goes, or kazoo would keep reconnecting until exit
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> Iterator[str]:
+    """The Celery broker URL of a RabbitMQ server of this test process (``amqp://``), started
+    on first use and stopped at the end of the session; skips, saying why, without one."""
+    from tests.rabbitmq import rabbitmq, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with rabbitmq() as server:
+        yield server.url
 
 
 @pytest.fixture

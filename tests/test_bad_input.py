@@ -363,7 +363,7 @@ def test_a_misspelt_setting_is_refused_not_ignored() -> None:
     app.conf.dlock_url = ["redis://elsewhere:6379/0"]  # would leave the locks on the broker
     with pytest.raises(ConfigError, match="'dlock_url' is not a celery_dlock setting") as info:
         lock(app, "k")
-    assert "Did you mean 'dlock_urls'?" in str(info.value)
+    assert "(did you mean 'dlock_urls'?)" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -427,3 +427,29 @@ def test_a_wrong_beat_ttl_names_its_setting() -> None:
     app.conf.dlock_beat_ttl = 0
     with pytest.raises(ConfigError, match="dlock_beat_ttl must be > 0 seconds, got 0"):
         beat_settings(app)
+
+
+@pytest.mark.parametrize(
+    ("name", "namespace", "says"),
+    [
+        ("DLOCK_URLS", None, "setting 'DLOCK_URLS' is ignored: Celery looks for 'dlock_urls'"),
+        (
+            "CELERY_DLOCK_URLS",
+            None,
+            "setting 'CELERY_DLOCK_URLS' is ignored: Celery reads CELERY_-prefixed settings "
+            "only with config_from_object(..., namespace='CELERY'); without a namespace Celery "
+            "looks for 'dlock_urls'",
+        ),
+        ("celery_dlock_url", "celery", "(did you mean 'celery_dlock_urls'?)"),
+        ("dlock_url", "CELERY", "(did you mean 'dlock_urls'?)"),  # set on app.conf itself
+    ],
+)
+def test_a_setting_celery_would_not_read_is_named_as_written(
+    name: str, namespace: str | None, says: str
+) -> None:
+    app = Celery("t", set_as_current=False, broker="redis://127.0.0.1:1/0", namespace=namespace)
+    app.conf.update({name: ["redis://elsewhere:6379/0"], "dlock_ttl": 5})
+    with pytest.raises(ConfigError) as info:
+        lock(app, "k")
+    assert says in str(info.value)
+    assert str(info.value).count("setting '") == 1, str(info.value)

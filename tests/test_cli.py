@@ -81,8 +81,9 @@ def test_list_and_show_what_is_held(urls: list[str], manager: LockManager) -> No
         shown = json.loads(dlock(urls, "show", "meta:crm:acme", "--json").stdout)
         assert shown["held"] is True
         assert shown["task_id"] == "task-1"
-        missing = json.loads(dlock(urls, "show", "meta:nobody", "--json").stdout)
-        assert missing["held"] is False
+        missing_json = dlock(urls, "show", "meta:nobody", "--json")
+        assert missing_json.returncode == 1, missing_json.stderr  # free: like `test -e`
+        assert json.loads(missing_json.stdout)["held"] is False
 
         text = dlock(urls, "show", "meta:crm:acme")
         assert text.returncode == 0, text.stderr
@@ -90,7 +91,7 @@ def test_list_and_show_what_is_held(urls: list[str], manager: LockManager) -> No
         assert f"fence     {first.token}" in text.stdout
         assert "None" not in text.stdout
         free = dlock(urls, "show", "meta:nobody")
-        assert free.returncode == 0, free.stderr
+        assert free.returncode == 1, free.stderr
         assert free.stdout.startswith("'meta:nobody' is not held")
         if on_zookeeper(urls):
             # The table and the record say what a missing ttl means, and where the locks are.
@@ -172,3 +173,14 @@ def test_passwords_in_urls_are_never_printed() -> None:
         wrong = dlock([f"redis://:nope@127.0.0.1:{server.port}/0"], "list")
         assert wrong.returncode != 0
         assert "nope" not in wrong.stdout + wrong.stderr
+
+
+def test_a_command_without_an_app_says_pass_the_app(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "APP"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "dlock", "list"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pass -A/--app" in done.stderr, done.stderr
+    assert "broker is not Redis" not in done.stderr

@@ -12,7 +12,8 @@ blocks that use them ``<!-- test: worker -->``: the module blocks also become a 
 
 Blocks marked ``<!-- test: topology NAME -->`` need a Sentinel group or a cluster; the tests of
 that topology run them (:func:`topology_examples`). Blocks marked ``<!-- test: quickstart
-... -->`` are the quick start's, run as written by tests/test_quickstart.py.
+... -->`` are the quick start's, run as written by tests/test_quickstart.py; ``<!-- test:
+django ... -->`` ones are a Django project's files, run by tests/test_django.py.
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ def test_examples_run(
     try:
         for number, block in enumerate(blocks, 1):
             mark = block.group("mark") or ""
-            if mark.startswith(("topology", "quickstart")):
+            if mark.startswith(("topology", "quickstart", "django")):
                 # Needs a Sentinel group or a cluster (run by that topology's tests), or is a
-                # file of the quick start (tests/test_quickstart.py runs it as written).
+                # file of the quick start (tests/test_quickstart.py runs it as written) or of
+                # the Django example (tests/test_django.py runs it with Django).
                 continue
             code = URL.sub(lambda m: servers[int(m.group(1))], block.group("code"))
             if mark == "worker module":

@@ -104,6 +104,9 @@ class Row:
     #: A worker of the row's own: "warm"/"cold"/"kill" stop it; "late" and "remap" are
     #: settings (acks_late with a short visibility timeout; REMAP_SIGTERM).
     worker: str = "shared"
+    #: Also run with RabbitMQ as the broker (every row runs with Redis): the rows where the
+    #: broker takes part (a broker requeue with late acks, revoke, enqueue-time locks).
+    rabbitmq: bool = False
 
 
 # -- what the caller sees ------------------------------------------------------------------------
@@ -276,7 +279,7 @@ def wait_log(worker: Worker, text: str, timeout: float = 15) -> None:
 # -- the matrix --------------------------------------------------------------------------------
 
 ROWS = [
-    Row("return", ALL, succeeds_with()),
+    Row("return", ALL, succeeds_with(), rabbitmq=True),
     Row("exception", ALL, fails_with(ValueError), how="raise"),
     Row("retry", ALL, succeeds_with(), how="retry", ends=2),
     Row(
@@ -288,7 +291,15 @@ ROWS = [
     ),
     Row("retries-exhausted-raise", ALL, fails_with(MaxRetriesExceededError), how="exhausted_raise"),
     Row("ignore", ALL, stays_pending, how="ignore"),
-    Row("reject-requeue", ALL, succeeds_with(), how="reject_requeue", task="seam_late", ends=2),
+    Row(
+        "reject-requeue",
+        ALL,
+        succeeds_with(),
+        how="reject_requeue",
+        task="seam_late",
+        ends=2,
+        rabbitmq=True,
+    ),
     Row("reject", ALL, rejected, how="reject"),
     Row("lock-lost", ALL, fails_with(LockLost), secs=10, act=delete_key),
     Row(
@@ -305,7 +316,7 @@ ROWS = [
         secs=10,
         options={"time_limit": 1.5},
     ),
-    Row("revoke-SIGTERM", PREFORK, revoked, secs=10, act=revoke_with("SIGTERM")),
+    Row("revoke-SIGTERM", PREFORK, revoked, secs=10, act=revoke_with("SIGTERM"), rabbitmq=True),
     Row("revoke-SIGINT", PREFORK, revoked_then_succeeds, secs=2.5, act=revoke_with("SIGINT")),
     Row("revoke-SIGQUIT", PREFORK, revoked, secs=10, act=revoke_with("SIGQUIT")),
     Row(
@@ -315,7 +326,15 @@ ROWS = [
         secs=10,
         act=revoke_with("SIGUSR1"),
     ),
-    Row("revoke-SIGKILL", PREFORK, revoked, secs=10, act=revoke_with("SIGKILL"), ends=0),
+    Row(
+        "revoke-SIGKILL",
+        PREFORK,
+        revoked,
+        secs=10,
+        act=revoke_with("SIGKILL"),
+        ends=0,
+        rabbitmq=True,
+    ),
     Row(
         "revoke-SIGTERM-remapped",
         PREFORK,
@@ -332,6 +351,7 @@ ROWS = [
         act=revoke_queued,
         never_runs=True,
         ends=0,
+        rabbitmq=True,
     ),
     Row(
         "countdown-revoked-enqueued",
@@ -342,6 +362,7 @@ ROWS = [
         act=revoke_queued_enqueued,
         never_runs=True,
         ends=0,
+        rabbitmq=True,
     ),
     Row("warm-shutdown", ALL, succeeds_with(), act=warm_shutdown, worker="warm"),
     Row("cold-shutdown", PREFORK, cancelled, secs=10, act=cold_shutdown, worker="cold"),
@@ -384,15 +405,47 @@ ROWS = [
 ]
 
 CASES = [pytest.param(row, pool, id=f"{row.id}-{pool}") for row in ROWS for pool in row.pools]
+#: The brokers the rows run with: Redis for every row, RabbitMQ for those marked ``rabbitmq``.
+#: A parameter of its own (module-scoped, so each broker's workers start once), its combinations
+#: with rows not marked dropped at collection (tests/conftest.py reads ``KEEP``).
+BROKERS = ("redis", "rabbitmq")
+
+
+def KEEP(params: dict[str, Any]) -> bool:  # a module hook, named like MODES
+    row = params.get("row")
+    return params.get("broker") != "rabbitmq" or (isinstance(row, Row) and row.rabbitmq)
+
+
+def case_ids() -> set[str]:
+    """``<row id>-<pool>-<broker>`` of every case the matrix runs."""
+    return {
+        f"{row.id}-{pool}-{broker}"
+        for row in ROWS
+        for pool in row.pools
+        for broker in BROKERS
+        if KEEP({"row": row, "broker": broker})
+    }
 
 
 # -- workers -----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def mode(celery_base: str) -> Mode:
-    """About Celery's side: one Redis for the locks is enough."""
-    return make_mode("single", celery_base)
+def broker(request: pytest.FixtureRequest, celery_base: str) -> str:
+    """The broker URL of the module's workers: Redis, or this session's RabbitMQ (the
+    ``rabbitmq_url`` fixture, which skips with one line where there is no RabbitMQ)."""
+    if request.param == "rabbitmq":
+        url: str = request.getfixturevalue("rabbitmq_url")
+        return url
+    return make_mode("single", celery_base).env["DLOCK_TEST_BROKER"]
+
+
+@pytest.fixture(scope="module")
+def mode(celery_base: str, broker: str) -> Mode:
+    """About Celery's side: one Redis for the locks is enough; the broker is a parameter."""
+    found = make_mode("single", celery_base)
+    found.env["DLOCK_TEST_BROKER"] = broker
+    return found
 
 
 class Workers:
@@ -457,10 +510,12 @@ def watches() -> Iterator[Callable[[str, str], KeyWatch]]:
         watch_.stop()
 
 
+@pytest.mark.parametrize("broker", BROKERS, indirect=True)
 @pytest.mark.parametrize(("row", "pool"), CASES)
 def test_exit_path(
     row: Row,
     pool: str,
+    broker: str,
     wa: Any,
     journal: Journal,
     workers: Workers,
@@ -566,19 +621,20 @@ TABLE_ROW = re.compile(r"^\| `(?P<id>[^`]+)`[^|]*\|(?P<cells>.*)\|\s*$")
 
 
 def documented() -> set[str]:
-    """``<row id>-<pool>`` for every pool the exit-path table in docs/guarantees.md marks."""
+    """``<row id>-<pool>-redis`` for every pool the exit-path table in docs/guarantees.md
+    marks, and ``<row id>-<pool>-rabbitmq`` for those of a row its RabbitMQ column marks."""
     section = DOCS.read_text().split("## Exit paths", 1)[1].split("\n## ", 1)[0]
     found = set()
     for line in section.splitlines():
         match = TABLE_ROW.match(line)
         if match is None:
             continue
-        cells = [c.strip() for c in match.group("cells").split("|")][: len(POOLS)]
-        marked = [pool for pool, cell in zip(POOLS, cells, strict=True) if cell == "yes"]
-        found |= {f"{match.group('id')}-{pool}" for pool in marked}
+        cells = [c.strip() for c in match.group("cells").split("|")][: len(POOLS) + 1]
+        marked = [pool for pool, cell in zip(POOLS, cells, strict=False) if cell == "yes"]
+        brokers = ("redis", "rabbitmq") if cells[len(POOLS)] == "yes" else ("redis",)
+        found |= {f"{match.group('id')}-{pool}-{broker}" for pool in marked for broker in brokers}
     return found
 
 
 def test_the_table_and_the_matrix_agree() -> None:
-    tested = {f"{row.id}-{pool}" for row in ROWS for pool in row.pools}
-    assert documented() == tested
+    assert documented() == case_ids()

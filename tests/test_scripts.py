@@ -49,3 +49,20 @@ def test_the_demo_runs_from_any_directory_and_reads_paths_from_there(tmp_path: P
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "--timeline runs.txt: the file name must end in .svg or .html" in done.stderr
+
+
+def test_an_install_says_one_line_not_setuptools_banner(tmp_path: Path) -> None:
+    # The demo's first install printed setuptools' editable-install banner ("Please be
+    # careful with folders in your working directory...") before anything of the demo's.
+    # A fresh virtualenv, as a newcomer's first run makes (pip's cache makes it quick).
+    venv = tmp_path / "venv"
+    script = f'. "{ROOT}/scripts/_venv.sh" demo && echo installed'
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env={**os.environ, "DLOCK_VENV": str(venv)},
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "installed\n"
+    said = done.stderr.splitlines()
+    assert said == [f"== installing celery-dlock[demo] into {venv}"], done.stderr
+    assert (venv / "bin" / "celery").exists()

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock.background import ProcessPool
+from celery_dlock.errors import ConfigError
 from celery_dlock.redis.nodes import Connection, ConnState, Node, Reply, connect, is_connected
 
 #: A node's reply not in yet: what a call's list of replies holds for the nodes still to do.
@@ -53,6 +54,7 @@ def connect_all(
     pool = _connector.get()
     begun = time.monotonic()
     futures: dict[int, Future[None]] = {}
+    refusal: ConfigError | None = None
     try:
         for i in todo:
             futures[i] = pool.submit(connect, nodes[i], conns[i])
@@ -62,7 +64,9 @@ def connect_all(
             except FutureTimeout:
                 _give_up(nodes[i], conns[i], future)
                 failure = RedisTimeoutError(f"connecting to {nodes[i].shown} took too long")
-            if failure is not None:
+            if isinstance(failure, ConfigError):  # two nodes reach one server: refuse
+                refusal = failure
+            elif failure is not None:
                 failure.dlock_unsent = True  # type: ignore[attr-defined]
                 replies[i] = failure
     except BaseException:
@@ -72,6 +76,8 @@ def connect_all(
             if not future.done():
                 _give_up(nodes[i], conns[i], future)
         raise
+    if refusal is not None:
+        raise refusal
 
 
 def _give_up(node: Node, conn: Connection, future: Future[None]) -> None:

@@ -45,8 +45,9 @@ TLS_FILES = {
 
 FIX = (
     "use redis://host:6379/0, rediss:// for TLS, unix:///path/to/socket, "
-    "redis+sentinel://host:26379,host2:26379/service_name/0 for Sentinel, or "
-    "redis+cluster://host:7000,host2:7001 for Redis Cluster"
+    "redis+sentinel://host:26379,host2:26379/service_name/0 for Sentinel, "
+    "redis+cluster://host:7000,host2:7001 for Redis Cluster, or "
+    "zookeeper://host1:2181,host2:2181,host3:2181/chroot for ZooKeeper"
 )
 
 

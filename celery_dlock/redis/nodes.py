@@ -17,6 +17,7 @@ from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from celery_dlock import forks
+from celery_dlock.errors import ConfigError
 from celery_dlock.redis import endpoints, failover, scripts
 
 #: The logger operators know for connection problems with one node (docs/operations.md),
@@ -87,6 +88,52 @@ class ConnState:
 orphans: list[tuple[Node, Any]] = []
 
 
+class Identities:
+    """Which server each node of one Redlock group reached, by its ``INFO server`` ``run_id``
+    (new at each server start): two nodes that reach one server are one vote counted twice,
+    whatever their names (``127.0.0.1`` and ``localhost``, a DNS alias, a port forward)."""
+
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self._order = {id(node): i for i, node in enumerate(nodes)}  # as the URLs are listed
+        self._lock = threading.Lock()
+        self._by_run_id: dict[str, Node] = {}
+        self._of: dict[int, str] = {}  # id(node) -> its server's run_id
+
+    def verify(self, node: Node, conn: Connection) -> None:
+        """Ask the server behind a new connection of ``node`` who it is; a
+        :class:`ConfigError` naming both URLs if another node of the group reached it. A
+        server that will not say (``INFO`` denied by an ACL) is not checked."""
+        try:
+            conn.send_command("INFO", "server")
+            info = conn.read_response()
+        except redis.ResponseError:
+            return
+        text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+        run_id = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in text.splitlines()
+                if line.startswith("run_id:")
+            ),
+            "",
+        )
+        if not run_id:
+            return
+        with self._lock:
+            other = self._by_run_id.get(run_id)
+            if other is not None and other is not node and self._of.get(id(other)) == run_id:
+                conn.disconnect()
+                first, second = sorted((node, other), key=lambda n: self._order.get(id(n), 0))
+                raise ConfigError(
+                    f"dlock_urls: {first.shown!r} and {second.shown!r} reach the same Redis "
+                    f"server (its INFO server run_id is {run_id}), so Redlock would count one "
+                    "server's vote twice and a majority would not be one; list each server once "
+                    "(independent masters on different hosts)."
+                )
+            self._by_run_id[run_id] = node
+            self._of[id(node)] = run_id
+
+
 class Node:
     """One Redis master: a redis-py client, its scripts, and one connection per thread.
 
@@ -101,6 +148,8 @@ class Node:
     owner: Node | None = None
     #: True for a :class:`SentinelNode`: its master can change under open connections.
     watched = False
+    #: The Redlock group whose servers must all differ (:class:`Identities`); None alone.
+    group: Identities | None = None
 
     def __init__(self, url: str, timeout: float, prefix: str = "dlock") -> None:
         self.url = url
@@ -361,6 +410,9 @@ def connect(node: Node, conn: Connection) -> None:
             f"{node.shown}: a sentinel still names {conn.host}:{conn.port}, but another "
             "master was announced; not sending there"
         )
+    group = node.group
+    if group is not None:
+        group.verify(node, conn)
 
 
 def reconnect(node: Node, conn: Connection) -> None:

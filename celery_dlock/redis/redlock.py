@@ -52,7 +52,7 @@ from celery_dlock.redis.decisions import Refusal, ms
 from celery_dlock.redis.diagnose import describe
 from celery_dlock.redis.ending import void_key
 from celery_dlock.redis.janitor import LATE_LIMIT, janitor
-from celery_dlock.redis.nodes import Node, Reply
+from celery_dlock.redis.nodes import Identities, Node, Reply
 from celery_dlock.redis.owed import Deferred
 from celery_dlock.redis.sending import send_deferred
 from celery_dlock.redis.transport import blocking_pop, run_script
@@ -96,6 +96,10 @@ class LockManager:
         ]
         self.quorum = quorum(len(self.nodes))
         self.redlock = len(self.nodes) > 1
+        if self.redlock:  # refuse two URLs of one server at first contact (run_id)
+            identities = Identities(self.nodes)
+            for node in self.nodes:
+                node.group = identities
         #: A Redis Cluster (always the only node): one script call may touch only one slot.
         self.cluster = any(node.cluster for node in self.nodes)
         self._retention_ms = ms(settings.fence_retention)
@@ -327,6 +331,8 @@ class LockManager:
                 args,
                 min(self.settings.node_timeout, request.ttl),
             )
+        except ConfigError:
+            raise  # refused on contact (two URLs reach one server), before anything was sent
         except BaseException:
             # Interrupted mid-call (a soft time limit, say): nodes may have taken the key.
             self._void(list(self.nodes), keys, head, started + request.ttl)

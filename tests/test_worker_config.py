@@ -1,0 +1,123 @@
+"""A ``celery worker`` with a lock configuration that can never work stops at start, naming
+the setting; one whose lock node is only unreachable now starts and warns. Real worker
+processes on a real Redis broker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_dlock.testing import free_port
+
+MODULE = """
+from celery import Celery
+from celery_dlock import SingletonTask
+
+app = Celery("{name}", broker="{broker}")
+{settings}
+
+
+@app.task(base=SingletonTask)
+def replicate():
+    return 1
+"""
+
+#: What a worker's start may take on a busy two-core box before it reads its settings; a
+#: worker that starts when it should not is seen by its "ready." line, long before this.
+START = 60.0
+
+
+def worker(
+    tmp_path: Path,
+    name: str,
+    broker: str,
+    settings: str,
+    *,
+    module: bool = True,
+    args: tuple[str, ...] = (),
+) -> tuple[int | None, str]:
+    """Run ``celery -A name worker`` in ``tmp_path`` until it exits or says it is ready; its
+    exit status (None: it started, and the test stopped it) and its output. With ``module``,
+    ``name``.py is written first: an app on ``broker`` with ``settings`` and a SingletonTask."""
+    if module:
+        (tmp_path / f"{name}.py").write_text(
+            MODULE.format(name=name, broker=broker, settings=textwrap.dedent(settings))
+        )
+    log = tmp_path / f"{name}.log"
+    command = [
+        sys.executable, "-m", "celery", "-A", name, "worker", "-P", "solo", "-l", "INFO",
+        "--without-gossip", "--without-mingle", "--without-heartbeat", "--logfile", str(log),
+        *args,
+    ]  # fmt: skip
+    with open(tmp_path / f"{name}.out", "w+b") as out:
+        process = subprocess.Popen(
+            command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + START
+        try:
+            while process.poll() is None:
+                if " ready." in (log.read_text(errors="replace") if log.exists() else ""):
+                    break
+                assert time.monotonic() < deadline, "the worker neither started nor exited"
+                time.sleep(0.05)
+        finally:
+            code = process.poll()
+            if code is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    return code, text + (log.read_text(errors="replace") if log.exists() else "")
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        pytest.param(
+            "app.conf.dlock_urls = ['http://127.0.0.1:6379/0']",
+            [
+                "dlock_urls: 'http://127.0.0.1:6379/0' has scheme 'http'",
+                "zookeeper://",
+            ],
+            id="bad-scheme",
+        ),
+        pytest.param(
+            "app.conf.dlock_url = ['redis://127.0.0.1:6379/5']\napp.conf.dlock_tll = 5",
+            [
+                "setting 'dlock_tll' is not a celery_dlock setting (did you mean 'dlock_ttl'?); "
+                "setting 'dlock_url' is not a celery_dlock setting (did you mean 'dlock_urls'?)",
+            ],
+            id="misspelt-settings",
+        ),
+        pytest.param(
+            "app.conf.dlock_ttl = 'thirty'",
+            ["dlock_ttl must be a number of seconds, not 'thirty'"],
+            id="bad-value",
+        ),
+    ],
+)
+def test_a_worker_with_an_impossible_lock_config_exits_at_start_naming_the_setting(
+    tmp_path: Path, single_urls: list[str], settings: str, says: list[str]
+) -> None:
+    code, output = worker(tmp_path, "impossible", single_urls[0], settings)
+    assert code not in (None, 0), f"the worker started (status {code}):\n{output[-3000:]}"
+    for text in says:
+        assert text in output, output[-3000:]
+    assert " ready." not in output
+
+
+def test_a_worker_whose_lock_node_is_unreachable_starts_and_warns(
+    tmp_path: Path, single_urls: list[str]
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    settings = f"app.conf.dlock_urls = [{url!r}]"
+    code, output = worker(tmp_path, "unreachable", single_urls[0], settings)
+    assert code is None, f"the worker exited with status {code}:\n{output[-3000:]}"
+    assert f"cannot reach lock node {url}" in output
