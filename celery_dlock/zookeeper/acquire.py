@@ -55,8 +55,14 @@ def _first_in_line(
     our node is deleted when it does not win."""
     try:
         entered = enter(space, attempt)
-    except KAZOO_ERRORS as exc:
-        raise space.unavailable(attempt.key, "lock", exc) from exc
+    except BaseException as exc:
+        # The create may yet be sent (kazoo keeps it while the connection is down), or was
+        # made with its reply lost: its node is deleted whenever it turns up.
+        attempt.guard.cancel()
+        attempt.session.disown(attempt.created, attempt.parent, attempt.nonce)
+        if isinstance(exc, KAZOO_ERRORS):
+            raise space.unavailable(attempt.key, "lock", exc) from exc
+        raise
     attempt.guard.path = entered.path
     try:
         return queue(space, attempt, entered, wait, takeover)

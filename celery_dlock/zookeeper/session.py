@@ -52,6 +52,7 @@ from celery_dlock import forks
 from celery_dlock.config import drift
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.renewal import watchdog
+from celery_dlock.zookeeper.nodes import parse_name
 from celery_dlock.zookeeper.url import ClientKey, ZkUrl, connect_hint
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ class SharedClient:
         self.leases: set[ZkLease] = set()
         #: Paths of nodes this process has released but whose delete was not confirmed.
         self.owed: set[str] = set()
+        #: (parent, nonce) of creates whose reply was lost: any node they made is deleted.
+        self.searches: set[tuple[str, str]] = set()
         #: Events of threads waiting for a predecessor; set on LOST (their watch never fires).
         self.waiters: set[threading.Event] = set()
         self.lock = threading.RLock()
@@ -295,7 +298,7 @@ class SharedClient:
                 self.suspended_at = None
                 for lease in leases:
                     lease.resume()
-                if self.owed:
+                if self.owed or self.searches:
                     threading.Thread(
                         target=self._pay_owed, name="dlock-zk-release", daemon=True
                     ).start()
@@ -309,10 +312,57 @@ class SharedClient:
         if self.client.state == KazooState.CONNECTED:
             threading.Thread(target=self._pay_owed, name="dlock-zk-release", daemon=True).start()
 
+    def disown(self, created: Any, parent: str, nonce: str) -> None:
+        """An acquisition whose create (kazoo's async result ``created``, of the node with
+        ``nonce`` under ``parent``) went unanswered, and whose caller was told it failed: the
+        node it makes, whenever it is made, is deleted.
+
+        kazoo keeps a request made while the connection is down and sends it on reconnection,
+        long after its caller stopped waiting; a node made then would sit in line, and hold
+        the key, for as long as the session lives. A create that is answered later is deleted
+        by its path; one whose reply was lost (``ConnectionLoss``) by a search of the parent
+        for its nonce, once connected (and again at each reconnection until a search is
+        answered)."""
+
+        def check(result: Any) -> None:
+            try:
+                path = result.get()[0]
+            except ConnectionLoss:
+                self.search(parent, nonce)
+                return
+            except KAZOO_ERRORS:
+                return  # not made: parent missing, session over, client closed
+            self.owe(path)
+
+        created.rawlink(check)
+
+    def search(self, parent: str, nonce: str) -> None:
+        """Remember to delete any child of ``parent`` made by the acquisition ``nonce``."""
+        with self.lock:
+            self.searches.add((parent, nonce))
+        if self.client.state == KazooState.CONNECTED:
+            threading.Thread(target=self._pay_owed, name="dlock-zk-release", daemon=True).start()
+
     def _pay_owed(self) -> None:
-        """Delete the nodes whose release did not get through, now that we are back."""
+        """Delete the nodes whose release did not get through, and those of creates whose
+        caller was told they failed (:meth:`disown`), now that we are back."""
         with self.lock:
             owed, self.owed = set(self.owed), set()
+            searches, self.searches = set(self.searches), set()
+        for parent, nonce in searches:
+            try:
+                children = self.call(partial(self.client.get_children_async, parent))
+            except NoNodeError:
+                continue
+            except KAZOO_ERRORS:
+                with self.lock:
+                    self.searches.add((parent, nonce))
+                continue
+            owed.update(
+                f"{parent}/{child}"
+                for child in children
+                if (name := parse_name(child)) is not None and name.nonce == nonce
+            )
         for path in owed:
             try:
                 self.call(partial(self.client.delete_async, path))
