@@ -12,10 +12,15 @@ does. Deadlines derive from the session timeouts the tests set.
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from kazoo.protocol.connection import ConnectionHandler
+from kazoo.protocol.serialization import Watch
 
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
@@ -59,10 +64,10 @@ def _quorum_lost(ens: Ensemble) -> None:
     until(lambda: not ens.servers[0].serving(), START_TIMEOUT, "the last server to stop serving")
 
 
-def _urls(ens: Ensemble, chroot: str) -> tuple[str, str]:
+def _urls(ens: Ensemble, chroot: str, timeout: float = TIMEOUT) -> tuple[str, str]:
     """The URL of the client under test and an observer's (another session: another timeout)."""
     return (
-        f"zookeeper://{ens.hosts}/{chroot}?timeout={TIMEOUT:g}",
+        f"zookeeper://{ens.hosts}/{chroot}?timeout={timeout:g}",
         f"zookeeper://{ens.hosts}/{chroot}?timeout=10",
     )
 
@@ -96,3 +101,75 @@ def test_a_refused_acquisition_queued_during_a_quorum_loss_leaves_no_node(
     until(lambda: not _nodes(observer, "q"), 2 * TIMEOUT, "the orphan node to be deleted")
     with observer.acquire("q", wait=0) as lease:
         assert lease.valid_for > 0
+
+
+def test_a_release_during_a_quorum_loss_returns_at_once_and_frees_the_key_after(
+    ens: Ensemble, chroot: str
+) -> None:
+    """A release while no server answers must not block its caller for a session timeout
+    (a task's worker slot held for nothing): it returns unconfirmed at once, and the delete
+    is sent when the same session is back."""
+    timeout = 12.0
+    url, observer_url = _urls(ens, chroot, timeout)
+    backend = ZooKeeperBackend(url)
+    lease = backend.acquire("r")
+    session = backend.shared
+    _quorum_lost(ens)
+    until(lambda: not session.connected.is_set(), timeout, "the client to see the loss")
+    began = time.monotonic()
+    assert backend.release(lease) is False  # not confirmed
+    assert time.monotonic() - began < timeout / 4
+    assert lease.released
+    _quorum_back(ens)
+    observer = ZooKeeperBackend(observer_url)
+    until(lambda: not _nodes(observer, "r"), timeout, "the owed delete to be paid")
+
+
+def test_the_first_release_after_waiters_queued_notifies_only_the_next_waiter(
+    ens: Ensemble, chroot: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three clients, each on its own session: A holds, B and C wait. A's release must send a
+    notification to B alone: C's listing, sent with its create, carried a watch on the key's
+    children that nobody's joining fired since, and that watch must not wake C too."""
+    hosts = ens.hosts
+    a, b, c = (ZooKeeperBackend(f"zookeeper://{hosts}/{chroot}?timeout={t}") for t in (20, 21, 22))
+    events: list[tuple[object, str]] = []
+    real = ConnectionHandler._read_watch_event
+
+    def record(self: ConnectionHandler, buffer: bytes, offset: int) -> Any:
+        events.append((self.client, Watch.deserialize(buffer, offset)[0].path))
+        return real(self, buffer, offset)
+
+    monkeypatch.setattr(ConnectionHandler, "_read_watch_event", record)
+    held = a.acquire("n")
+    admitted = {name: threading.Event() for name in "bc"}
+    done = threading.Event()
+
+    def wait_in_line(backend: ZooKeeperBackend, name: str) -> None:
+        with backend.acquire("n", wait=60):
+            admitted[name].set()
+            done.wait(60)
+
+    threads = [
+        threading.Thread(target=wait_in_line, args=(b, "b")),
+        threading.Thread(target=wait_in_line, args=(c, "c")),
+    ]
+    threads[0].start()
+    until(lambda: len(a.queue("n")) == 2, 10, "B queued")
+    threads[1].start()
+    until(lambda: len(a.queue("n")) == 3, 10, "C queued")
+    # Any request answered on C's session comes after every notification sent to it before.
+    c.shared.client.exists("/")
+    del events[:]
+    held.release()
+    assert admitted["b"].wait(20)
+    c.shared.client.exists("/")
+    b.shared.client.exists("/")
+    a.shared.client.exists("/")
+    seen = list(events)
+    done.set()
+    for thread in threads:
+        thread.join(30)
+    names = {a.shared.client: "A", b.shared.client: "B", c.shared.client: "C"}
+    # A hears of its own node's deletion (it watches it, to notice a forced release).
+    assert sorted({names[client] for client, _path in seen}) == ["A", "B"]

@@ -34,7 +34,7 @@ def release(space: Keyspace, lease: Lease, *, wait: bool = True) -> bool:
         try:
             result = session.start().delete_async(lease.path)
             if wait:
-                result.get(timeout=session.op_timeout)
+                session.answer(result)  # not awaited while the connection is down
                 confirmed = True
             else:
                 result.rawlink(owe_if_failed(session, lease.path))

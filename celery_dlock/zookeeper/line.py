@@ -217,6 +217,7 @@ def wait_behind(
     try:
         with session.lock:
             session.waiters.add(woken)
+        guard.stop_children_watch(attempt.parent)
         guard.watch_own(now=True)  # sent with the next request: ready once admitted
         asked = time.monotonic()
         wake_at: float | None = None
@@ -300,7 +301,7 @@ def contended(
     except KAZOO_ERRORS:
         holder = None  # unreadable: the refusal stands
     try:
-        deleting.get(timeout=session.op_timeout)
+        session.answer(deleting)
     except NoNodeError:
         pass
     except KAZOO_ERRORS:

@@ -129,6 +129,8 @@ class SharedClient:
         self.suspended_at: float | None = None
         #: Set while the session is connected.
         self.connected = threading.Event()
+        #: Events of threads waiting for a reply only while connected; set when it goes.
+        self.downs: set[threading.Event] = set()
         #: kazoo's last connection error, for the error when the connection never comes up.
         self.last_error: str | None = None
         self.acl = (
@@ -183,6 +185,29 @@ class SharedClient:
                 if left <= 0:
                     raise
                 self.connected.wait(min(left, 0.1))
+
+    def answer(self, result: Any, timeout: float | None = None) -> Any:
+        """The reply to a request already sent (kazoo's async ``result``), waiting for it no
+        longer than the connection is up (and ``timeout``, the session timeout by default):
+        ``ConnectionLoss`` at once when it is down. For requests whose failure is handled
+        later anyway (a delete owed until it lands), so that their caller is not kept a
+        session timeout for a reply that an outage delays."""
+        event = threading.Event()
+        result.rawlink(lambda _result: event.set())
+        with self.lock:
+            down = not self.connected.is_set()
+            self.downs.add(event)
+        try:
+            if not down:
+                event.wait(self.op_timeout if timeout is None else timeout)
+        finally:
+            with self.lock:
+                self.downs.discard(event)
+        if result.ready():
+            return result.get()
+        if down or not self.connected.is_set():
+            raise ConnectionLoss("no connection to ZooKeeper: the reply is not awaited")
+        raise KazooTimeoutError("no reply from ZooKeeper in time")
 
     def start(self) -> KazooClient:
         """The connected client; :class:`LockUnavailable` when no server answers in time."""
@@ -261,6 +286,8 @@ class SharedClient:
             leases = list(self.leases)
             if state != KazooState.CONNECTED:
                 self.connected.clear()
+                for event in self.downs:
+                    event.set()
                 self._kazoo_log.setLevel(BLATHER)  # to read the next session's timeout
             else:
                 self._kazoo_log.setLevel(logging.NOTSET)
