@@ -55,27 +55,33 @@ def release(space: Keyspace, lease: Lease, *, wait: bool = True) -> bool:
 
 
 def renew(space: Keyspace, leases: Sequence[Lease]) -> list[str | None]:
-    """Confirm each lease's node with one ``exists`` (all sent together): the answer moves
-    its validity on (see :class:`ZkLease`); no answer is undecided (None), the watchdog
-    tries again until the validity runs out; a missing node is a loss."""
+    """Confirm the session, and with it every lease on it: one request, whatever the number
+    of leases (an ``exists`` on the base node; any answered request will do).
+
+    The answer proves the servers heard from the session when it was sent, so every one of
+    its ephemeral nodes was there then: each session lease's validity moves on (see
+    :class:`ZkLease`), the due ones and the others alike, so that the watchdog finds them all
+    due together next time and a process holding N leases sends one request per third of the
+    session timeout (or of the shortest ttl), not N. A node deleted by another client is
+    reported by its holder's watch (:mod:`celery_dlock.zookeeper.loss`), an expired session
+    by the session listener. No answer is undecided (None): the watchdog tries again until
+    the validity runs out."""
     session = space.shared
     started = time.monotonic()
+    undecided: list[str | None] = [None] * len(leases)
     try:
         client = session.start()
     except LockUnavailable:
-        return [None] * len(leases)
-    sent = [client.exists_async(lease.path) for lease in leases if isinstance(lease, ZkLease)]
+        return undecided
+    proof = client.exists_async(space.base)
     timeout = max(0.001, min(lease.valid_for for lease in leases))
-    out: list[str | None] = []
-    for lease, result in zip(leases, sent, strict=True):
-        try:
-            stat = result.get(timeout=max(0.001, started + timeout - time.monotonic()))
-        except KAZOO_ERRORS:
-            out.append(None)
-            continue
-        if stat is None:
-            out.append("its lock node is gone (deleted by another client, or its session expired)")
-        else:
-            lease.renewed(started, started + space.validity(session))
-            out.append(None)
-    return out
+    try:
+        proof.get(timeout=timeout)
+    except KAZOO_ERRORS:
+        return undecided
+    with session.lock:
+        held = set(session.leases)
+    for lease in held.union(lease for lease in leases if isinstance(lease, ZkLease)):
+        if not lease.released and not lease.lost:
+            lease.renewed(started, started + space.lease_validity(session, lease.ttl))
+    return undecided

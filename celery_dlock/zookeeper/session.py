@@ -8,7 +8,8 @@ lease is exactly as good as its session, and kazoo's three states say how good t
 
 * ``CONNECTED`` — the session is live. A lease is valid until the session timeout after the
   last request of ours the servers answered (counted from when it was sent), minus the drift
-  allowance; the watchdog sends one such request (an ``exists`` on the lease's node) every
+  allowance; the watchdog sends one such request per session (an ``exists`` on the base node,
+  whatever the number of leases: it proves every node of the session) every
   third of the timeout (:class:`celery_dlock.zookeeper.lease.ZkLease`).
 * ``SUSPENDED`` — the connection is gone and the session may or may not still be alive on the
   servers. kazoo declares this when a heartbeat ping has gone unanswered (it pings after a third
