@@ -22,9 +22,20 @@ import pytest
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Watch
 
-from celery_dlock.errors import LockUnavailable
-from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from tests.zookeeper import START_TIMEOUT, Ensemble, ensemble, skip_reason, until
+from celery_dlock.errors import LockContended, LockUnavailable
+from celery_dlock.zookeeper import ZkLease, ZooKeeperBackend, close_all
+from celery_dlock.zookeeper.nodes import parse_name
+from tests.zookeeper import (
+    START_TIMEOUT,
+    Ensemble,
+    FaultProxy,
+    ZkServer,
+    ensemble,
+    four_letter,
+    skip_reason,
+    standalone,
+    until,
+)
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -173,3 +184,227 @@ def test_the_first_release_after_waiters_queued_notifies_only_the_next_waiter(
     names = {a.shared.client: "A", b.shared.client: "B", c.shared.client: "C"}
     # A hears of its own node's deletion (it watches it, to notice a forced release).
     assert sorted({names[client] for client, _path in seen}) == ["A", "B"]
+
+
+# -- the outage matrix ----------------------------------------------------------------------------
+#
+# Each outage (rows) happens while each lock operation (columns) is under way. A row ends the
+# same way: what the operation told its caller is checked against the servers (a lease it
+# returned is either held, or reported lost; a nonce of a hand-over is the key's queued lock),
+# then the caller gives back what it holds, and a client of its own must get the key within
+# the bound the test set (session timeout + timed nodes' ttl): a node that no live lease owns
+# would keep it from the key for as long as the process lived.
+
+#: ttl of the timed nodes the operations make (hand-over, queued lock, tick key), seconds.
+TIMED_TTL = 2.0
+
+OUTAGES = [
+    "quorum-lost-shorter-than-the-session",
+    "quorum-lost-longer-than-the-session",
+    "connection-cut-during-create",
+    "connection-cut-during-delete",
+    "connection-cut-during-listing",
+    "server-restart",
+    "session-expired",
+]
+OPERATIONS = ["acquire", "wait", "release", "hand-over", "queued-lock", "tick-key"]
+
+
+class Stage:
+    """One operation on the client under test (``mine``), with an observer on its own session
+    (``other``): what is set up before the outage, the call made during it, and what the
+    caller was told."""
+
+    def __init__(
+        self, operation: str, mine: ZooKeeperBackend, other: ZooKeeperBackend, fresh: str
+    ) -> None:
+        self.operation = operation
+        self.mine = mine
+        self.other = other
+        self.fresh = fresh  # the URL of the client that must get the key at the end
+        self.key = f"m-{operation}"
+        self.held: Any = None  # a lease taken before the outage
+        self.theirs: Any = None  # the observer's lease on the key, taken before the outage
+        self.waiting: threading.Thread | None = None
+        self.outcome: Any = None  # what the call returned, or the exception it raised
+        self.done = threading.Event()
+
+    def prepare(self) -> None:
+        if self.operation in ("release", "hand-over"):
+            self.held = self.mine.acquire(self.key, holder="task-m")
+        elif self.operation == "tick-key":
+            self.held = self.mine.acquire(self.key, holder="tick-m", ttl=TIMED_TTL)
+        elif self.operation == "acquire":  # a held key: its parent node exists
+            self.theirs = self.other.acquire(self.key, holder="task-o")
+        elif self.operation == "wait":
+            self.theirs = self.other.acquire(self.key, holder="task-o")
+            self.waiting = threading.Thread(target=self._call, daemon=True)
+            self.waiting.start()
+            until(lambda: len(self.other.queue(self.key)) == 2, 10, "the waiter queued")
+
+    def _call(self) -> None:
+        mine, key = self.mine, self.key
+        try:
+            if self.operation == "acquire":
+                self.outcome = mine.acquire(key, wait=0, holder="task-m")
+            elif self.operation == "wait":
+                self.outcome = mine.acquire(key, wait=60, holder="task-m")
+            elif self.operation == "release":
+                self.outcome = mine.release(self.held)
+            elif self.operation == "hand-over":
+                self.outcome = mine.hand_over(self.held, TIMED_TTL)
+            elif self.operation == "queued-lock":
+                self.outcome = mine.acquire(key, queued=True, ttl=TIMED_TTL, holder="task-q")
+            elif self.operation == "tick-key":
+                mine.forget(self.held)
+                self.outcome = None
+        except Exception as exc:  # the caller's answer, checked below
+            self.outcome = exc
+        finally:
+            self.done.set()
+
+    def start(self) -> None:
+        """The call, during the outage (on a thread: it may block until the servers answer)."""
+        if self.operation == "wait":
+            self.other.release(self.theirs)  # the holder goes while the waiter is cut off
+        else:
+            threading.Thread(target=self._call, daemon=True).start()
+
+    def check(self, bound: float) -> None:
+        """After the outage: the caller was told the truth, and the key frees within ``bound``."""
+        assert self.done.wait(bound + 60), f"{self.operation}: the call never returned"
+        outcome = self.outcome
+        assert not isinstance(outcome, AssertionError), outcome
+        if isinstance(outcome, ZkLease):
+            name = parse_name(outcome.path.rsplit("/", 1)[1])
+            assert name is not None
+            nonce = name.nonce
+            holders = [h.nonce for h in self.other.queue(self.key)]
+            # Held, or reported lost: never a lease that is valid without its node.
+            assert outcome.lost or outcome.valid_for == 0 or holders[:1] == [nonce], (
+                self.operation,
+                holders,
+                nonce,
+            )
+            outcome.release()
+        elif isinstance(outcome, str) and self.operation == "hand-over":
+            assert not self.held.valid_for, "the handed-over lease stays valid"
+        elif outcome is not None and not isinstance(outcome, bool):
+            assert isinstance(outcome, LockUnavailable | LockContended), repr(outcome)
+        if self.held is not None:
+            self.mine.release(self.held)
+        if self.theirs is not None:
+            self.other.release(self.theirs)
+        fresh = ZooKeeperBackend(self.fresh)
+        try:
+            with fresh.acquire(self.key, wait=bound, holder="task-fresh"):
+                pass
+        finally:
+            close_all()
+
+
+@pytest.fixture(scope="module")
+def zk() -> Iterator[ZkServer]:
+    if REASON is not None:
+        pytest.skip(REASON)
+    with standalone() as server:
+        yield server
+
+
+def _cut_when_sent(backend: ZooKeeperBackend, proxy: FaultProxy, kinds: tuple[str, ...]) -> None:
+    """Cut the connection (the next reply, mid-way) once a request of one of ``kinds`` (kazoo
+    request class names) is sent by ``backend``'s client: that request's reply is lost."""
+    client = backend.shared.start()
+    real = client._call
+    armed = threading.Event()
+
+    def call(request: Any, async_object: Any) -> Any:
+        if not armed.is_set() and type(request).__name__ in kinds:
+            armed.set()
+            proxy.reset_mid_reply()
+        return real(request, async_object)
+
+    client._call = call
+
+
+CUTS = {
+    "connection-cut-during-create": ("Create2", "Transaction"),
+    "connection-cut-during-delete": ("Delete", "Transaction"),
+    "connection-cut-during-listing": ("GetChildren2", "GetChildren"),
+}
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+@pytest.mark.parametrize("outage", OUTAGES)
+def test_outage_matrix(outage: str, operation: str, request: pytest.FixtureRequest) -> None:
+    if outage.startswith("quorum"):
+        _quorum_row(request.getfixturevalue("ens"), outage, operation)
+    else:
+        _server_row(request.getfixturevalue("zk"), outage, operation)
+
+
+def _quorum_row(ens: Ensemble, outage: str, operation: str) -> None:
+    """The quorum lost (two of three servers stopped) while ``operation`` is under way."""
+    chroot = f"x-{uuid.uuid4().hex[:8]}"
+    _quorum_back(ens)
+    timeout = 30.0 if "shorter" in outage else TIMEOUT
+    hosts = ens.hosts
+    mine = ZooKeeperBackend(f"zookeeper://{hosts}/{chroot}?timeout={timeout:g}")
+    other = ZooKeeperBackend(f"zookeeper://{hosts}/{chroot}?timeout=10")
+    stage = Stage(operation, mine, other, f"zookeeper://{hosts}/{chroot}?timeout=11")
+    try:
+        stage.prepare()
+        began = time.monotonic()
+        _quorum_lost(ens)
+        until(lambda: not mine.shared.connected.is_set(), timeout, "the client to see it")
+        stage.start()
+        if "longer" in outage:  # the outage lasts past the session timeout
+            stage.done.wait(2 * timeout)
+            threading.Event().wait(max(0.0, began + 2 * timeout - time.monotonic()))
+        _quorum_back(ens)
+        lasted = time.monotonic() - began
+        if "shorter" in outage:
+            assert lasted < timeout, f"the outage lasted {lasted:.1f} s"
+        stage.check(2 * timeout + TIMED_TTL + 10)
+    finally:
+        _quorum_back(ens)
+        close_all()
+
+
+def _server_row(server: ZkServer, outage: str, operation: str) -> None:
+    """A connection cut, a server restart or an expired session, on a standalone server,
+    while ``operation`` is under way."""
+    chroot = f"x-{uuid.uuid4().hex[:8]}"
+    with FaultProxy(server.client_port) as proxy:
+        timeout = 2.0 if outage == "session-expired" else 6.0
+        via = proxy.port if outage != "server-restart" else server.client_port
+        mine = ZooKeeperBackend(f"zookeeper://127.0.0.1:{via}/{chroot}?timeout={timeout:g}")
+        other = ZooKeeperBackend(f"zookeeper://{server.hosts}/{chroot}?timeout=10")
+        stage = Stage(operation, mine, other, f"zookeeper://{server.hosts}/{chroot}?timeout=11")
+        try:
+            stage.prepare()
+            if outage in CUTS:
+                _cut_when_sent(mine, proxy, CUTS[outage])
+                stage.start()
+            elif outage == "server-restart":
+                server.stop()
+                until(lambda: not mine.shared.connected.is_set(), timeout, "the client to see it")
+                stage.start()
+                server.start()
+                server.wait_serving()
+            else:  # session-expired: cut off until the server expires the session
+                sid = mine.shared.start().client_id[0]
+                proxy.blackhole()
+                stage.start()
+                until(
+                    lambda: f"sid=0x{sid:x}" not in four_letter(server.client_port, "cons"),
+                    4 * timeout,
+                    "the server to expire the session",
+                )
+                proxy.heal()
+            stage.check(2 * timeout + TIMED_TTL + 10)
+        finally:
+            if not server.running:
+                server.start()
+                server.wait_serving()
+            close_all()
