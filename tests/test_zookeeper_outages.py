@@ -12,10 +12,12 @@ does. Deadlines derive from the session timeouts the tests set.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -408,3 +410,24 @@ def _server_row(server: ZkServer, outage: str, operation: str) -> None:
                 server.start()
                 server.wait_serving()
             close_all()
+
+
+TABLE_ROW = re.compile(r"^\| `(?P<id>[^`]+)`[^|]*\|(?P<cells>.*)\|\s*$")
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "zookeeper.md"
+
+
+def test_the_outage_table_and_the_matrix_agree() -> None:
+    """docs/zookeeper.md's outage table marks exactly the rows this module runs."""
+    section = DOCS.read_text().split("### Outages", 1)[1].split("\n#", 1)[0]
+    documented = set()
+    for line in section.splitlines():
+        match = TABLE_ROW.match(line)
+        if match is None:
+            continue
+        cells = [c.strip() for c in match.group("cells").split("|")][: len(OPERATIONS)]
+        documented |= {
+            (match.group("id"), op)
+            for op, cell in zip(OPERATIONS, cells, strict=True)
+            if cell == "yes"
+        }
+    assert documented == {(outage, op) for outage in OUTAGES for op in OPERATIONS}
