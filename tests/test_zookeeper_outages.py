@@ -232,6 +232,7 @@ class Stage:
         self.done = threading.Event()
 
     def prepare(self) -> None:
+        self.mine.shared.start()  # a process that has used the ensemble before: a session
         if self.operation in ("release", "hand-over"):
             self.held = self.mine.acquire(self.key, holder="task-m")
         elif self.operation == "tick-key":
