@@ -314,9 +314,12 @@ def zk() -> Iterator[ZkServer]:
         yield server
 
 
-def _cut_when_sent(backend: ZooKeeperBackend, proxy: FaultProxy, kinds: tuple[str, ...]) -> None:
+def _cut_when_sent(
+    backend: ZooKeeperBackend, proxy: FaultProxy, kinds: tuple[str, ...], then: str = "pass"
+) -> None:
     """Cut the connection (the next reply, mid-way) once a request of one of ``kinds`` (kazoo
-    request class names) is sent by ``backend``'s client: that request's reply is lost."""
+    request class names) is sent by ``backend``'s client: that request's reply is lost (and,
+    ``then="blackhole"``, nothing is relayed after it until the proxy heals)."""
     client = backend.shared.start()
     real = client._call
     armed = threading.Event()
@@ -324,7 +327,7 @@ def _cut_when_sent(backend: ZooKeeperBackend, proxy: FaultProxy, kinds: tuple[st
     def call(request: Any, async_object: Any) -> Any:
         if not armed.is_set() and type(request).__name__ in kinds:
             armed.set()
-            proxy.reset_mid_reply()
+            proxy.reset_mid_reply(then=then)
         return real(request, async_object)
 
     client._call = call
@@ -432,3 +435,39 @@ def test_the_outage_table_and_the_matrix_agree() -> None:
             if cell == "yes"
         }
     assert documented == {(outage, op) for outage in OUTAGES for op in OPERATIONS}
+
+
+def test_a_create_whose_reply_was_lost_and_whose_search_failed_leaves_no_node(
+    ens: Ensemble, chroot: str
+) -> None:
+    """The create reaches the servers, its reply is cut, and the search by nonce cannot get
+    through either (the quorum lost right after): the caller is told LockUnavailable, and the
+    node that create made is found by its nonce and deleted once the same session is back."""
+    timeout = 6.0
+    with FaultProxy(ens.servers[0].client_port) as proxy:
+        mine = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/{chroot}?timeout={timeout:g}")
+        other = ZooKeeperBackend(f"zookeeper://{ens.hosts}/{chroot}?timeout=10")
+        theirs = other.acquire("lost", holder="task-o")  # the key's parent exists
+        mine.shared.start()
+        _cut_when_sent(mine, proxy, ("Create2",), then="blackhole")
+        failed: list[BaseException] = []
+
+        def take() -> None:
+            try:
+                mine.acquire("lost", wait=0, holder="task-m")
+            except LockUnavailable as exc:
+                failed.append(exc)
+
+        taking = threading.Thread(target=take)
+        taking.start()
+        assert proxy.cut.wait(timeout)
+        _quorum_lost(ens)  # no session can expire now: the node stays until we delete it
+        taking.join(3 * timeout)
+        assert failed, "the acquisition was not told it failed"
+        proxy.heal()
+        _quorum_back(ens)
+        until(mine.shared.connected.is_set, START_TIMEOUT, "the same session back")
+        other.release(theirs)
+        fresh = ZooKeeperBackend(f"zookeeper://{ens.hosts}/{chroot}?timeout=11")
+        with fresh.acquire("lost", wait=2 * timeout, holder="task-fresh"):
+            pass

@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoNodeError
 from kazoo.protocol.serialization import int_struct, write_string
 from kazoo.protocol.states import EventType, WatchedEvent
 
@@ -147,8 +147,15 @@ class Guard:
             result.get()
         except NoNodeError:
             self._gone()
+        except ConnectionLoss:
+            # Sent, and its reply lost with the connection: no watch was set. The renewal
+            # no longer looks at each node (one request per session), so set it again (kazoo
+            # holds the request until the same session is back).
+            with self._lock:
+                self._armed = False
+            self.watch_own(now=True)
         except KAZOO_ERRORS:
-            return  # session trouble: the session listener reports it
+            return  # the session is over: the session listener reports it
 
     def _gone(self) -> None:
         with self._lock:
