@@ -16,7 +16,7 @@ from celery_dlock.zookeeper.entry import Attempt, enter
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.lease import NodeLease
 from celery_dlock.zookeeper.line import HeadVanished, Won, queue
-from celery_dlock.zookeeper.session import KAZOO_ERRORS, SharedClient
+from celery_dlock.zookeeper.session import KAZOO_ERRORS
 from celery_dlock.zookeeper.znodes import abandon
 
 log = logging.getLogger("celery_dlock.zookeeper")
@@ -89,7 +89,6 @@ def _lease(
         deadline = attempt.begun + attempt.ttl - drift(attempt.ttl, space.drift_factor)
     else:
         deadline = won.proven + space.lease_validity(session, attempt.ttl)
-        _check_ttl(space, session, attempt.ttl)
     lease = NodeLease(
         backend,
         won.path,
@@ -137,36 +136,6 @@ def renew_every(span: float) -> float:
     what an idle kazoo client costs."""
     third = span / 3
     return third - min(KAZOO_PING_JITTER + 0.05, third / 4)
-
-
-_warned: set[tuple[str, float, float]] = set()
-
-
-def _check_ttl(space: Keyspace, session: SharedClient, ttl: float) -> None:
-    """Warn (once per URL, ttl and session timeout) when a session node cannot keep ``ttl``'s
-    promise: a holder that dies frees its key when its session expires, a session timeout
-    later, so a ttl shorter than the session timeout cannot bound that wait."""
-    timeout = session.negotiated
-    if ttl >= timeout:
-        return
-    seen = (space.url.shown, ttl, timeout)
-    if seen in _warned:
-        return
-    _warned.add(seen)
-    log.warning(
-        "lock_ttl=%g s is shorter than the ZooKeeper session timeout (%g s) of %s: a holder "
-        "that dies frees its key only when its session expires, up to %g s later (its own "
-        "lease stays valid for %g s at most, as asked). To free keys within the ttl, ask "
-        "for a session timeout no longer than it in the URL (?timeout=%g; the servers' "
-        "minSessionTimeout, 2 x tickTime, must allow it), or use a ttl of at least %g s.",
-        ttl,
-        timeout,
-        space.url.shown,
-        timeout,
-        ttl,
-        ttl,
-        timeout,
-    )
 
 
 class Pending:

@@ -14,7 +14,7 @@ from celery_dlock.errors import LockUnavailable
 from celery_dlock.lease import Lease
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.lease import ZkLease
-from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE
+from celery_dlock.zookeeper.session import KAZOO_ERRORS, UNREACHABLE, SharedClient
 from celery_dlock.zookeeper.znodes import owe_if_failed
 
 log = logging.getLogger("celery_dlock.zookeeper")
@@ -54,6 +54,38 @@ def release(space: Keyspace, lease: Lease, *, wait: bool = True) -> bool:
     return bool(confirmed)
 
 
+_warned: set[tuple[str, float, float]] = set()
+
+
+def _check_ttl(space: Keyspace, session: SharedClient, ttl: float) -> None:
+    """Warn (once per URL, ttl and session timeout) when a session node cannot keep ``ttl``'s
+    promise: a holder that dies frees its key when its session expires, a session timeout
+    later, so a ttl shorter than the session timeout cannot bound that wait. Asked at a
+    lease's renewal, so that a lease held only for a moment (a beat's tick key, forgotten at
+    once) says nothing."""
+    timeout = session.negotiated
+    if ttl >= timeout:
+        return
+    seen = (space.url.shown, ttl, timeout)
+    if seen in _warned:
+        return
+    _warned.add(seen)
+    log.warning(
+        "lock_ttl=%g s is shorter than the ZooKeeper session timeout (%g s) of %s: a holder "
+        "that dies frees its key only when its session expires, up to %g s later (its own "
+        "lease stays valid for %g s at most, as asked). To free keys within the ttl, ask "
+        "for a session timeout no longer than it in the URL (?timeout=%g; the servers' "
+        "minSessionTimeout, 2 x tickTime, must allow it), or use a ttl of at least %g s.",
+        ttl,
+        timeout,
+        space.url.shown,
+        timeout,
+        ttl,
+        ttl,
+        timeout,
+    )
+
+
 def renew(space: Keyspace, leases: Sequence[Lease]) -> list[str | None]:
     """Confirm the session, and with it every lease on it: one request, whatever the number
     of leases (an ``exists`` on the base node; any answered request will do).
@@ -79,6 +111,8 @@ def renew(space: Keyspace, leases: Sequence[Lease]) -> list[str | None]:
         proof.get(timeout=timeout)
     except KAZOO_ERRORS:
         return undecided
+    for lease in leases:
+        _check_ttl(space, session, lease.ttl)
     with session.lock:
         held = set(session.leases)
     for lease in held.union(lease for lease in leases if isinstance(lease, ZkLease)):
