@@ -302,6 +302,8 @@ class Stage:
         try:
             with fresh.acquire(self.key, wait=bound, holder="task-fresh"):
                 pass
+            # Nothing left behind it either: every node of the key is gone.
+            until(lambda: not fresh.queue(self.key), bound, "every node of the key gone")
         finally:
             close_all()
 
