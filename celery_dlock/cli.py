@@ -82,7 +82,8 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
 
 def _on_zookeeper(backend: Backend) -> bool:
     """Whether ``backend`` is a ZooKeeper ensemble: its locks have no ttl (they last as long
-    as the holder's session) and no per-key fencing counter (the token is a zxid)."""
+    as the holder's session) and no fencing counter is kept for a free key (a key's tokens
+    start from its parent node's creation time, see celery_dlock.zookeeper.fencing)."""
     return any(url.startswith("zookeeper://") for url in backend.endpoints())
 
 
@@ -142,7 +143,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         return
     zookeeper = _on_zookeeper(backend_for(_app(ctx)))
     if info.holder is None:
-        if zookeeper:  # tokens are zxids, shared by every key: none is kept per key
+        if zookeeper:  # no counter is kept for a free key (its parent node goes)
             ctx.obj.echo(f"{key!r} is not held")
         elif info.fence is None:
             ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")

@@ -49,6 +49,7 @@ class FaultProxy:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._mode = "pass"
+        self._after_cut = "pass"
         self._delay = 0.0
         self._pairs: list[_Pair] = []
         self._wake_r, self._wake_w = socket.socketpair()
@@ -82,7 +83,10 @@ class FaultProxy:
     def delay(self, seconds: float) -> None:
         self._set("delay", seconds)
 
-    def reset_mid_reply(self) -> None:
+    def reset_mid_reply(self, *, then: str = "pass") -> None:
+        """Cut the next reply; then relay again (``then="pass"``), or relay nothing more
+        (``then="blackhole"``: the connection made next hears nothing until :meth:`heal`)."""
+        self._after_cut = then
         self.cut.clear()
         self._set("cut")
 
@@ -189,7 +193,7 @@ class FaultProxy:
                 pair.down.sendall(data[:CUT_AFTER])
             self._drop(selector, pair, reset=True)
             with self._lock:
-                self._mode = "pass"
+                self._mode = self._after_cut
             self.cut.set()
             return
         pair.to_down.append((time.monotonic() + (delay if mode == "delay" else 0.0), data))

@@ -89,7 +89,7 @@ def test_show_of_a_free_key(app: Any, urls: list[str]) -> None:
         pass
     freed = admin.show(app, "was-locked")
     if on_zookeeper(urls):
-        # Tokens are zxids, which every key shares: no counter is kept per key.
+        # No counter is kept for a key without nodes: its next parent node starts anew.
         assert (freed.held, freed.fence) == (False, None)
         for key in ("never-locked", "was-locked"):
             assert dlock(urls, "show", key).stdout.strip() == f"{key!r} is not held"

@@ -130,7 +130,7 @@ def test_release_tells_the_holder_and_moves_the_fence_on(
         # Its renewal did not bring the key back, and the next holder's token is newer.
         assert manager.holder("replication") is None
         info = manager.inspect("replication")
-        if not on_zookeeper(urls):  # ZooKeeper keeps no per-key counter: tokens are zxids
+        if not on_zookeeper(urls):  # ZooKeeper keeps no counter for a free key
             assert info.fence is not None
             assert info.fence > lease.token
         after = manager.acquire("replication", ttl=2, renew=False)

@@ -124,12 +124,16 @@ def test_our_own_queued_lock_first_in_line_is_adopted_even_out_of_time() -> None
 # -- fencing ----------------------------------------------------------------------------------
 
 
-def test_token_is_the_czxid_until_a_replacement_then_the_listing_pzxid() -> None:
-    assert fencing.marks(stat(version=0, pzxid=90), czxid=100) == (100, False)
-    assert fencing.marks(stat(version=2, pzxid=120), czxid=100) == (120, True)
-    assert fencing.marks(None, czxid=100) == (100, False)
-    assert fencing.token(replaced=False, pzxid=120, czxid=100) == 100
-    assert fencing.token(replaced=True, pzxid=120, czxid=100) == 120
+def test_token_is_the_parents_birth_plus_the_seq_until_a_replacement_then_the_cversion() -> None:
+    listed = stat(version=0, ctime=1_700_000_000_123)._replace(cversion=90)
+    assert fencing.birth(listed) == 1_700_000_000_123_000  # µs, the Redis tokens' scale
+    assert fencing.birth(None) == 0
+    assert fencing.marks(listed, seq=100) == (101, False)  # listed after our create
+    assert fencing.marks(listed._replace(version=2, cversion=120), seq=100) == (120, True)
+    assert fencing.marks(None, seq=100) == (101, False)
+    assert fencing.token(birth=10**15, replaced=False, count=120, seq=100) == 10**15 + 100
+    assert fencing.token(birth=10**15, replaced=True, count=120, seq=100) == 10**15 + 120
+    assert fencing.adopted(10**15, 130) == 10**15 + 131
 
 
 def test_only_the_second_in_line_of_a_never_replaced_key_skips_the_listing() -> None:

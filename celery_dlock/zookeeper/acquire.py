@@ -55,8 +55,14 @@ def _first_in_line(
     our node is deleted when it does not win."""
     try:
         entered = enter(space, attempt)
-    except KAZOO_ERRORS as exc:
-        raise space.unavailable(attempt.key, "lock", exc) from exc
+    except BaseException as exc:
+        # The create may yet be sent (kazoo keeps it while the connection is down), or was
+        # made with its reply lost: its node is deleted whenever it turns up.
+        attempt.guard.cancel()
+        attempt.session.disown(attempt.created, attempt.parent, attempt.nonce)
+        if isinstance(exc, KAZOO_ERRORS):
+            raise space.unavailable(attempt.key, "lock", exc) from exc
+        raise
     attempt.guard.path = entered.path
     try:
         return queue(space, attempt, entered, wait, takeover)
@@ -82,7 +88,7 @@ def _lease(
     if timed:
         deadline = attempt.begun + attempt.ttl - drift(attempt.ttl, space.drift_factor)
     else:
-        deadline = won.proven + space.validity(session)
+        deadline = won.proven + space.lease_validity(session, attempt.ttl)
     lease = NodeLease(
         backend,
         won.path,
@@ -96,7 +102,7 @@ def _lease(
         ttl=attempt.ttl,
         started=attempt.begun if timed else won.proven,
         deadline=deadline,
-        renew_interval=None if timed else session.negotiated / 3,
+        renew_interval=None if timed else renew_every(min(session.negotiated, attempt.ttl)),
         max_hold=max_hold,
         sender=attempt.sender,
     )
@@ -116,6 +122,20 @@ def _lease(
         waited=waited_for,
     )
     return lease
+
+
+#: kazoo pings a third of the session timeout after its last send, less a random 0.01-0.4 s.
+KAZOO_PING_JITTER = 0.4
+
+
+def renew_every(span: float) -> float:
+    """How often the watchdog confirms a session lease valid for ``span`` seconds: a third of
+    it, a little less than kazoo's ping interval, so that our request (which proves the
+    session as a ping does, see :func:`celery_dlock.zookeeper.holding.renew`) goes before
+    kazoo's ping is due and kazoo sends none: holding leases then costs the session about
+    what an idle kazoo client costs."""
+    third = span / 3
+    return third - min(KAZOO_PING_JITTER + 0.05, third / 4)
 
 
 class Pending:

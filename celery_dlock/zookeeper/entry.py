@@ -13,10 +13,10 @@ from kazoo.exceptions import ConnectionLoss, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from celery_dlock.errors import LockUnavailable
-from celery_dlock.zookeeper.fencing import marks
+from celery_dlock.zookeeper.fencing import birth, marks
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.loss import Guard
-from celery_dlock.zookeeper.nodes import identity, task_name
+from celery_dlock.zookeeper.nodes import identity, seq_of, task_name
 from celery_dlock.zookeeper.nodes import prefix as node_prefix
 from celery_dlock.zookeeper.znodes import find, make_parent
 
@@ -93,8 +93,9 @@ class Entered(NamedTuple):
     stat: ZnodeStat
     received: float  # when the create's reply arrived (its ctime is the leader's "now")
     children: list[str]
-    pzxid: int  # the parent's pzxid in that listing: the zxid of its last child change
+    changes: int  # the parent's cversion in that listing: its child changes so far
     replaced: bool  # the parent's data was ever set: a replacement happened in this key
+    birth: int  # the parent's creation time in µs: the first part of every token
 
 
 def enter(space: Keyspace, attempt: Attempt) -> Entered:
@@ -132,8 +133,8 @@ def enter(space: Keyspace, attempt: Attempt) -> Entered:
                 include_data=True,
             )
             children, listed = session.call(watched)
-        pzxid, replaced = marks(listed, int(stat.czxid))
-        return Entered(path, stat, received, list(children), pzxid, replaced)
+        count, replaced = marks(listed, seq_of(path))
+        return Entered(path, stat, received, list(children), count, replaced, birth(listed))
     raise LockUnavailable(
         f"cannot lock {attempt.key!r}: its parent node {parent} keeps vanishing",
         key=attempt.key,

@@ -13,6 +13,7 @@ from kazoo.exceptions import NoNodeError
 
 from celery_dlock.config import check_key
 from celery_dlock.holder import Holder, LockInfo
+from celery_dlock.zookeeper import fencing
 from celery_dlock.zookeeper.decisions import serving
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.nodes import NodeName, expires_ms, in_line, parse_name, read_holder
@@ -23,24 +24,27 @@ from celery_dlock.zookeeper.znodes import reap
 log = logging.getLogger("celery_dlock.zookeeper")
 
 
-def _nodes(space: Keyspace, key: str) -> tuple[KazooClient, SharedClient, str, list[NodeName]]:
-    """The key's parent and its children in line order (empty when none)."""
+def _nodes(space: Keyspace, key: str) -> tuple[KazooClient, SharedClient, str, list[NodeName], int]:
+    """The key's parent, its children in line order (empty when none), and the first part of
+    its tokens (:func:`celery_dlock.zookeeper.fencing.birth`)."""
     session, client = space.client()
     parent = space.parent(key)
     try:
-        children = client.get_children_async(parent).get(timeout=session.op_timeout)
+        children, listed = client.get_children_async(parent, include_data=True).get(
+            timeout=session.op_timeout
+        )
     except NoNodeError:
-        children = []
+        children, listed = [], None
     except KAZOO_ERRORS as exc:
         raise space.unavailable(key, "inspect", exc) from exc
-    return client, session, parent, in_line(list(children))
+    return client, session, parent, in_line(list(children)), fencing.birth(listed)
 
 
 def _holder_node(space: Keyspace, key: str) -> tuple[str, Holder, int | None] | None:
     """The holder's node, identity and (a timed node) ms of life left; None when nobody
     holds ``key``. An expired timed node found first in line is deleted on the way."""
     for _ in range(5):  # a release between the listing and the read: list again
-        client, session, parent, children = _nodes(space, key)
+        client, session, parent, children, birth = _nodes(space, key)
         if not children:
             return None
         head = children[0]
@@ -59,7 +63,7 @@ def _holder_node(space: Keyspace, key: str) -> tuple[str, Holder, int | None] | 
             if left <= 0:
                 reap(client, session, path, stat.version)
                 continue
-        holder = read_holder(raw, stat)
+        holder = read_holder(raw, stat, birth + head.seq)
         if holder is not None:
             return path, holder, left
         return None
@@ -84,15 +88,15 @@ def inspect(space: Keyspace, key: str) -> LockInfo:
 
 def queue(space: Keyspace, key: str) -> list[Holder]:
     """The holder and every waiter of ``key``, in the order they will hold it."""
-    client, session, parent, children = _nodes(space, check_key(key))
+    client, session, parent, children, birth = _nodes(space, check_key(key))
     reads = [client.get_async(f"{parent}/{child.name}") for child in children]
     out: list[Holder] = []
-    for read in reads:
+    for child, read in zip(children, reads, strict=True):
         try:
             raw, stat = read.get(timeout=session.op_timeout)
         except NoNodeError:
             continue
-        holder = read_holder(raw, stat)
+        holder = read_holder(raw, stat, birth + child.seq)
         if holder is not None:
             out.append(holder)
     return out
@@ -151,7 +155,7 @@ def release_nonce(space: Keyspace, key: str, nonce: str) -> bool:
     key = check_key(key)
     if _delete_if(space, key, lambda name, h: name.nonce == nonce):
         return True
-    _, _, parent, children = _nodes(space, key)
+    _, _, parent, children, _ = _nodes(space, key)
     for child in children[1:]:
         if child.nonce == nonce:
             return _delete(space, key, f"{parent}/{child.name}")

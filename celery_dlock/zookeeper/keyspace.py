@@ -56,6 +56,12 @@ class Keyspace:
         """How long after sending a request that is answered the session surely lives."""
         return session.negotiated - drift(session.negotiated, self.drift_factor)
 
+    def lease_validity(self, session: SharedClient, ttl: float) -> float:
+        """How long after sending a request that is answered a session node's lease is valid:
+        while the session surely lives, and no longer than its ``ttl`` (minus the drift
+        allowance), the meaning ``lock_ttl`` has on every backend."""
+        return min(self.validity(session), ttl - drift(ttl, self.drift_factor))
+
     def unavailable(self, key: str, doing: str, exc: BaseException) -> LockUnavailable:
         """The error for a request about ``key`` that failed with ``exc`` (``doing``: what we
         tried, as in "cannot lock 'k'")."""

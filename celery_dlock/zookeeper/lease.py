@@ -23,12 +23,15 @@ class ZkLease(Lease):
 
     A reply to a request sent at ``S`` proves the servers heard from the session at or after
     ``S``, so the session cannot expire there before ``S + session timeout``: the lease is
-    valid until then, minus the drift allowance, counted from before the acquisition's create.
-    The watchdog "renews" it every third of the session timeout with one ``exists`` on its node
-    (all of a batch sent together), which moves that bound on and also finds a node someone
-    deleted. So a process paused past the session timeout wakes up with its lease already
-    invalid, as on Redis. A suspended connection cuts the validity further (see
-    :mod:`celery_dlock.zookeeper.session`); the same session coming back lifts the cut.
+    valid until then, minus the drift allowance, counted from before the acquisition's create,
+    and no longer than its ttl after it (``lock_ttl`` means the same on every backend). The
+    watchdog "renews" it every third of the shorter of the two with one request per session,
+    whatever the number of leases (:func:`celery_dlock.zookeeper.holding.renew`), which moves
+    that bound on for every lease of the session; a node someone deleted is reported by its
+    holder's watch (:mod:`celery_dlock.zookeeper.loss`). So a process paused past the session
+    timeout wakes up with its lease already invalid, as on Redis. A suspended connection cuts
+    the validity further (see :mod:`celery_dlock.zookeeper.session`); the same session coming
+    back lifts the cut.
     """
 
     def __init__(self, backend: LeaseBackend, path: str, **kwargs: Any) -> None:

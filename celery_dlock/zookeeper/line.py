@@ -63,7 +63,14 @@ from celery_dlock.zookeeper import decisions, fencing
 from celery_dlock.zookeeper.entry import Attempt, Entered
 from celery_dlock.zookeeper.keyspace import Keyspace
 from celery_dlock.zookeeper.loss import Guard
-from celery_dlock.zookeeper.nodes import NodeName, expires_ms, in_line, read_holder, task_hash
+from celery_dlock.zookeeper.nodes import (
+    NodeName,
+    expires_ms,
+    in_line,
+    read_holder,
+    seq_of,
+    task_hash,
+)
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, SharedClient
 from celery_dlock.zookeeper.timed import adopt
 from celery_dlock.zookeeper.znodes import abandon, read, reap, stamp
@@ -113,9 +120,10 @@ def queue(
     path = entered.path
     name = path.rsplit("/", 1)[1]
     children = entered.children
-    pzxid = entered.pzxid  # of the last listing
+    count = entered.changes  # of the last listing
     replaced = entered.replaced  # ... and whether it showed a replacement ever happened
-    czxid = int(entered.stat.czxid)
+    seq = seq_of(name)
+    birth = entered.birth
     proven = attempt.begun  # the create's send time
     # The freshest stamp of the leader's clock, and when its reply arrived here.
     now_ms, now_at = int(entered.stat.ctime), entered.received
@@ -131,19 +139,19 @@ def queue(
                 key=key,
             )
         if step.kind == decisions.WON:
-            token = fencing.token(replaced=replaced, pzxid=pzxid, czxid=czxid)
+            token = fencing.token(birth=birth, replaced=replaced, count=count, seq=seq)
             return Won(path, token, int(entered.stat.ctime), proven, waited, attempt.guard)
         head = step.node
         assert head is not None
         if step.kind == decisions.ADOPT:
-            won = _adopt(space, attempt, head, path, waited)
+            won = _adopt(space, attempt, head, path, waited, birth)
             if won is not None:
                 return won
         elif step.kind == decisions.REFUSE:
             if not head.timed:
                 attempt.guard.cancel()
-                raise contended(client, session, key, parent, head.name, name)
-            refusal = refuse_timed(space, attempt, head, path, now_ms)
+                raise contended(client, session, key, parent, head.name, name, birth)
+            refusal = refuse_timed(space, attempt, head, path, now_ms, birth)
             if refusal is not None:
                 raise refusal
         else:
@@ -153,13 +161,14 @@ def queue(
                 space, attempt, head, shortcut, deadline, now_ms, now_at, proven
             )
             if done:
-                return Won(path, czxid, int(entered.stat.ctime), proven, True, attempt.guard)
+                token = fencing.token(birth=birth, replaced=False, count=count, seq=seq)
+                return Won(path, token, int(entered.stat.ctime), proven, True, attempt.guard)
         try:
             asked = time.monotonic()
             children, listed = session.call(
                 lambda: client.get_children_async(parent, include_data=True)
             )
-            pzxid, replaced = fencing.marks(listed)
+            count, replaced = fencing.marks(listed, seq)
             proven = asked
         except KAZOO_ERRORS as exc:
             raise space.unavailable(key, "wait for", exc) from exc
@@ -167,7 +176,7 @@ def queue(
 
 
 def refuse_timed(
-    space: Keyspace, attempt: Attempt, head: NodeName, path: str, now_ms: int
+    space: Keyspace, attempt: Attempt, head: NodeName, path: str, now_ms: int, birth: int
 ) -> LockContended | None:
     """``wait`` ran out behind a timed node: delete it if expired (None: look again), else
     the refusal naming its holder (our node deleted)."""
@@ -185,7 +194,7 @@ def refuse_timed(
         return None
     attempt.guard.cancel()
     abandon(client, session, path)
-    holder = read_holder(raw, stat)
+    holder = read_holder(raw, stat, birth + head.seq)
     who = holder.describe() if holder else "another contender"
     return LockContended(f"lock {attempt.key!r} is held by {who}", key=attempt.key, holder=holder)
 
@@ -217,6 +226,7 @@ def wait_behind(
     try:
         with session.lock:
             session.waiters.add(woken)
+        guard.stop_children_watch(attempt.parent)
         guard.watch_own(now=True)  # sent with the next request: ready once admitted
         asked = time.monotonic()
         wake_at: float | None = None
@@ -256,7 +266,7 @@ def wait_behind(
 
 
 def _adopt(
-    space: Keyspace, attempt: Attempt, head: NodeName, path: str, waited: bool
+    space: Keyspace, attempt: Attempt, head: NodeName, path: str, waited: bool, birth: int
 ) -> Won | None:
     """Take over the queued lock ``head`` of our own task (:func:`~celery_dlock.zookeeper.
     timed.adopt`); None when it did not apply (the caller lists again)."""
@@ -273,7 +283,8 @@ def _adopt(
     guard.path = adopted.path
     guard.watch_own(now=True)
     log.debug("key=%s: adopted the queued lock of %s", attempt.key, attempt.holder)
-    return Won(adopted.path, adopted.token, adopted.ctime_ms, adopted.asked, waited, guard)
+    token = fencing.adopted(birth, seq_of(adopted.path))
+    return Won(adopted.path, token, adopted.ctime_ms, adopted.asked, waited, guard)
 
 
 def contended(
@@ -283,6 +294,7 @@ def contended(
     parent: str,
     lowest: str,
     name: str,
+    birth: int,
 ) -> LockContended:
     """The refusal, with the holder read while our node is deleted (one round trip)."""
     path = f"{parent}/{lowest}"
@@ -292,7 +304,7 @@ def contended(
     vanished = False
     try:
         raw, stat = session.call(lambda: sent.pop() if sent else client.get_async(path))
-        holder = read_holder(raw, stat)
+        holder = read_holder(raw, stat, birth + seq_of(lowest))
     except NoNodeError:
         # Released, or replaced (a beat's tick key made timed right after it was taken):
         # the caller tries again rather than refuse without naming a holder.
@@ -300,7 +312,7 @@ def contended(
     except KAZOO_ERRORS:
         holder = None  # unreadable: the refusal stands
     try:
-        deleting.get(timeout=session.op_timeout)
+        session.answer(deleting)
     except NoNodeError:
         pass
     except KAZOO_ERRORS:

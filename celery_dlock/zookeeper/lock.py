@@ -4,7 +4,7 @@ call to the module of ``celery_dlock.zookeeper`` that does the work. The modules
 from the bottom up (an import-linter contract in pyproject.toml keeps them so):
 
 * ``url`` the URL and TLS; ``nodes`` lock node names and data;
-* ``fencing`` which zxid is the token, ``decisions`` a contender's next step (both pure, no
+* ``fencing`` what the token is, ``decisions`` a contender's next step (both pure, no
   I/O); ``lease`` a lease's validity;
 * ``session`` one kazoo client per process;
 * ``keyspace`` where a backend's nodes live; ``znodes`` the small requests every part sends;
@@ -111,8 +111,9 @@ class ZooKeeperBackend:
         the common signature and unused. ``queued=True`` takes a *timed* node instead, held
         for ``ttl`` whatever becomes of this process (a queued lock, enqueue-time mode).
         ``takeover`` (a task id) adopts that task's queued lock when it is first in line
-        (see :mod:`celery_dlock.zookeeper.line`). ``fence_retention`` is moot: the token is
-        a zxid, never reset per key.
+        (see :mod:`celery_dlock.zookeeper.line`). ``fence_retention`` is moot: the token
+        is the key's parent node's creation time in µs plus its count of changes (see
+        :mod:`celery_dlock.zookeeper.fencing`).
         """
         key = check_key(key)
         ttl = self.ttl if ttl is None else check_ttl("ttl", ttl, self.drift_factor)

@@ -3,17 +3,43 @@ dlock release``): a watch on its own node, set only once the key's children chan
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import ConnectionLoss, NoNodeError
+from kazoo.protocol.serialization import int_struct, write_string
 from kazoo.protocol.states import EventType, WatchedEvent
 
 from celery_dlock import forks
 from celery_dlock.renewal import watchdog
 from celery_dlock.zookeeper.lease import ZkLease
 from celery_dlock.zookeeper.session import KAZOO_ERRORS, SharedClient
+
+#: ZooKeeper's watcher type for a children watch, in a removeWatches request.
+CHILDREN_WATCH = 1
+
+
+class _RemoveWatches:
+    """ZooKeeper's ``removeWatches`` request (opcode 18, ZooKeeper 3.5+; kazoo has no call for
+    it): the path and the watcher type; an empty reply."""
+
+    type = 18
+
+    def __init__(self, path: str, watcher_type: int) -> None:
+        self.path = path
+        self.watcher_type = watcher_type
+
+    def serialize(self) -> bytearray:
+        out = bytearray()
+        out.extend(write_string(self.path))
+        out.extend(int_struct.pack(self.watcher_type))
+        return out
+
+    @classmethod
+    def deserialize(cls, _buffer: bytes, _offset: int) -> bool:
+        return True
 
 
 class Guard:
@@ -50,6 +76,31 @@ class Guard:
         """The acquisition gave up (refused, or failed): guard nothing from now on."""
         with self._lock:
             self.path = None
+
+    def stop_children_watch(self, parent: str) -> None:
+        """We wait in line: take back the watch on the key's children that our listing set.
+
+        A waiter watches its predecessor and its own node; the children watch was only for a
+        holder admitted at once. Left armed (nobody joined after us), it would wake this
+        process too at the holder's release, besides the waiter that is admitted. Sent
+        without waiting for the reply, with the request that sets the predecessor's watch;
+        not sent when another acquisition of this process shares the watch (the servers keep
+        one per session and path), or when it fired already."""
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True  # no more use for it: watch_own is set by the wait
+        full = f"{self._client.chroot}{parent}" if self._client.chroot else parent
+        watchers = self._client._child_watchers.get(full)
+        if watchers is None or self.on_children not in watchers:
+            return
+        watchers.discard(self.on_children)
+        if watchers:
+            return
+        self._client._child_watchers.pop(full, None)
+        result = self._client.handler.async_result()
+        self._client._call(_RemoveWatches(full, CHILDREN_WATCH), result)
+        result.rawlink(_ignore)
 
     def on_children(self, _event: WatchedEvent) -> None:
         with self._lock:
@@ -96,8 +147,15 @@ class Guard:
             result.get()
         except NoNodeError:
             self._gone()
+        except ConnectionLoss:
+            # Sent, and its reply lost with the connection: no watch was set. The renewal
+            # no longer looks at each node (one request per session), so set it again (kazoo
+            # holds the request until the same session is back).
+            with self._lock:
+                self._armed = False
+            self.watch_own(now=True)
         except KAZOO_ERRORS:
-            return  # session trouble: the session listener reports it
+            return  # the session is over: the session listener reports it
 
     def _gone(self) -> None:
         with self._lock:
@@ -112,3 +170,10 @@ class Guard:
         lease.lose(  # on kazoo's watch thread: callbacks run elsewhere (see ZkLease.lose)
             "its lock node was deleted by another client (celery dlock release, or an operator)"
         )
+
+
+def _ignore(result: Any) -> None:
+    """A reply nobody waits for: its error (no watch left to remove, the connection gone)
+    changes nothing."""
+    with contextlib.suppress(*KAZOO_ERRORS):
+        result.get()

@@ -99,6 +99,11 @@ def parse_name(name: str) -> NodeName | None:
     return NodeName(name, nonce, seq, order, timed, task)
 
 
+def seq_of(path: str) -> int:
+    """The sequence number ZooKeeper appended to a node's name (or path)."""
+    return int(path[-SEQ_DIGITS:])
+
+
 def order_of(name: str) -> int:
     """The place in line of the node ``name`` (a replacement of it inherits this)."""
     parsed = parse_name(name)
@@ -127,8 +132,8 @@ def identity(
     anchor_ms: int | None = None,
 ) -> str:
     """The JSON a lock node holds (the same fields as a Redis lock value, fence excepted: the
-    fence is the node's czxid, known only once the node exists). ``ttl`` makes it a timed
-    node's data; ``anchor_ms`` its ``from`` (see :func:`expires_ms`)."""
+    fence is known only once the node exists, see :mod:`celery_dlock.zookeeper.fencing`).
+    ``ttl`` makes it a timed node's data; ``anchor_ms`` its ``from`` (see :func:`expires_ms`)."""
     data: dict[str, Any] = {"token": nonce, "holder": holder}
     if queued:
         data["queued"] = True
@@ -161,8 +166,10 @@ def ttl_ms(ttl: float) -> int:
     return max(1, int(-(-ttl * 1000 // 1)))
 
 
-def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
-    """A lock node's data and stat as a :class:`Holder` (fence = czxid); None if unreadable."""
+def read_holder(raw: bytes | None, stat: ZnodeStat, fence: int | None = None) -> Holder | None:
+    """A lock node's data and stat as a :class:`Holder`; None if unreadable. ``fence`` is the
+    holder's token, or at most it (see :mod:`celery_dlock.zookeeper.fencing`); the node's
+    czxid when not given."""
     try:
         data = json.loads(raw or b"")
         return Holder(
@@ -171,7 +178,7 @@ def read_holder(raw: bytes | None, stat: ZnodeStat) -> Holder | None:
             host=str(data.get("host", "?")),
             pid=int(data.get("pid", 0)),
             since=float(data.get("since", 0)) / 1000.0,
-            fence=int(stat.czxid),
+            fence=int(stat.czxid) if fence is None else fence,
             queued=data.get("queued") is True,
             task=None if data.get("task") is None else str(data["task"]),
         )

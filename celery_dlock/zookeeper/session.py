@@ -8,7 +8,8 @@ lease is exactly as good as its session, and kazoo's three states say how good t
 
 * ``CONNECTED`` — the session is live. A lease is valid until the session timeout after the
   last request of ours the servers answered (counted from when it was sent), minus the drift
-  allowance; the watchdog sends one such request (an ``exists`` on the lease's node) every
+  allowance; the watchdog sends one such request per session (an ``exists`` on the base node,
+  whatever the number of leases: it proves every node of the session) every
   third of the timeout (:class:`celery_dlock.zookeeper.lease.ZkLease`).
 * ``SUSPENDED`` — the connection is gone and the session may or may not still be alive on the
   servers. kazoo declares this when a heartbeat ping has gone unanswered (it pings after a third
@@ -52,6 +53,7 @@ from celery_dlock import forks
 from celery_dlock.config import drift
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.renewal import watchdog
+from celery_dlock.zookeeper.nodes import parse_name
 from celery_dlock.zookeeper.url import ClientKey, ZkUrl, connect_hint
 
 if TYPE_CHECKING:
@@ -120,12 +122,16 @@ class SharedClient:
         self.leases: set[ZkLease] = set()
         #: Paths of nodes this process has released but whose delete was not confirmed.
         self.owed: set[str] = set()
+        #: (parent, nonce) of creates whose reply was lost: any node they made is deleted.
+        self.searches: set[tuple[str, str]] = set()
         #: Events of threads waiting for a predecessor; set on LOST (their watch never fires).
         self.waiters: set[threading.Event] = set()
         self.lock = threading.RLock()
         self.suspended_at: float | None = None
         #: Set while the session is connected.
         self.connected = threading.Event()
+        #: Events of threads waiting for a reply only while connected; set when it goes.
+        self.downs: set[threading.Event] = set()
         #: kazoo's last connection error, for the error when the connection never comes up.
         self.last_error: str | None = None
         self.acl = (
@@ -180,6 +186,29 @@ class SharedClient:
                 if left <= 0:
                     raise
                 self.connected.wait(min(left, 0.1))
+
+    def answer(self, result: Any, timeout: float | None = None) -> Any:
+        """The reply to a request already sent (kazoo's async ``result``), waiting for it no
+        longer than the connection is up (and ``timeout``, the session timeout by default):
+        ``ConnectionLoss`` at once when it is down. For requests whose failure is handled
+        later anyway (a delete owed until it lands), so that their caller is not kept a
+        session timeout for a reply that an outage delays."""
+        event = threading.Event()
+        result.rawlink(lambda _result: event.set())
+        with self.lock:
+            down = not self.connected.is_set()
+            self.downs.add(event)
+        try:
+            if not down:
+                event.wait(self.op_timeout if timeout is None else timeout)
+        finally:
+            with self.lock:
+                self.downs.discard(event)
+        if result.ready():
+            return result.get()
+        if down or not self.connected.is_set():
+            raise ConnectionLoss("no connection to ZooKeeper: the reply is not awaited")
+        raise KazooTimeoutError("no reply from ZooKeeper in time")
 
     def start(self) -> KazooClient:
         """The connected client; :class:`LockUnavailable` when no server answers in time."""
@@ -258,6 +287,8 @@ class SharedClient:
             leases = list(self.leases)
             if state != KazooState.CONNECTED:
                 self.connected.clear()
+                for event in self.downs:
+                    event.set()
                 self._kazoo_log.setLevel(BLATHER)  # to read the next session's timeout
             else:
                 self._kazoo_log.setLevel(logging.NOTSET)
@@ -295,7 +326,7 @@ class SharedClient:
                 self.suspended_at = None
                 for lease in leases:
                     lease.resume()
-                if self.owed:
+                if self.owed or self.searches:
                     threading.Thread(
                         target=self._pay_owed, name="dlock-zk-release", daemon=True
                     ).start()
@@ -309,10 +340,57 @@ class SharedClient:
         if self.client.state == KazooState.CONNECTED:
             threading.Thread(target=self._pay_owed, name="dlock-zk-release", daemon=True).start()
 
+    def disown(self, created: Any, parent: str, nonce: str) -> None:
+        """An acquisition whose create (kazoo's async result ``created``, of the node with
+        ``nonce`` under ``parent``) went unanswered, and whose caller was told it failed: the
+        node it makes, whenever it is made, is deleted.
+
+        kazoo keeps a request made while the connection is down and sends it on reconnection,
+        long after its caller stopped waiting; a node made then would sit in line, and hold
+        the key, for as long as the session lives. A create that is answered later is deleted
+        by its path; one whose reply was lost (``ConnectionLoss``) by a search of the parent
+        for its nonce, once connected (and again at each reconnection until a search is
+        answered)."""
+
+        def check(result: Any) -> None:
+            try:
+                path = result.get()[0]
+            except ConnectionLoss:
+                self.search(parent, nonce)
+                return
+            except KAZOO_ERRORS:
+                return  # not made: parent missing, session over, client closed
+            self.owe(path)
+
+        created.rawlink(check)
+
+    def search(self, parent: str, nonce: str) -> None:
+        """Remember to delete any child of ``parent`` made by the acquisition ``nonce``."""
+        with self.lock:
+            self.searches.add((parent, nonce))
+        if self.client.state == KazooState.CONNECTED:
+            threading.Thread(target=self._pay_owed, name="dlock-zk-release", daemon=True).start()
+
     def _pay_owed(self) -> None:
-        """Delete the nodes whose release did not get through, now that we are back."""
+        """Delete the nodes whose release did not get through, and those of creates whose
+        caller was told they failed (:meth:`disown`), now that we are back."""
         with self.lock:
             owed, self.owed = set(self.owed), set()
+            searches, self.searches = set(self.searches), set()
+        for parent, nonce in searches:
+            try:
+                children = self.call(partial(self.client.get_children_async, parent))
+            except NoNodeError:
+                continue
+            except KAZOO_ERRORS:
+                with self.lock:
+                    self.searches.add((parent, nonce))
+                continue
+            owed.update(
+                f"{parent}/{child}"
+                for child in children
+                if (name := parse_name(child)) is not None and name.nonce == nonce
+            )
         for path in owed:
             try:
                 self.call(partial(self.client.delete_async, path))

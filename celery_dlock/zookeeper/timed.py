@@ -106,8 +106,7 @@ def _replacement(
 class Adopted(NamedTuple):
     """A queued lock taken over: our session node in its place."""
 
-    path: str
-    token: int  # the transaction's zxid (see the fencing module)
+    path: str  # its sequence number gives the token (see the fencing module)
     ctime_ms: int
     asked: float  # when the transaction was sent
 
@@ -145,14 +144,12 @@ def adopt(
         if found is None:
             return None  # not applied: our first node is still in line
         new_path, stat = found
-        return Adopted(new_path, int(stat.czxid), int(stat.ctime), asked)
+        return Adopted(new_path, int(stat.ctime), asked)
     if failed(results) is not None:
         return None
     new_path, stat = results[0], results[1]
-    # Every operation of a multi has the transaction's zxid and time: the setData's stat
-    # carries the replacement's czxid (our token: we are first from that zxid on) and
-    # its ctime.
-    return Adopted(new_path, int(stat.mzxid), int(stat.mtime), asked)
+    # Every operation of a multi has the transaction's time: the setData's stat carries it.
+    return Adopted(new_path, int(stat.mtime), asked)
 
 
 def replace(
@@ -274,7 +271,8 @@ def hand_over(space: Keyspace, lease: Lease, ttl: float) -> str | None:
     node is replaced, in one transaction, by a timed node in its place in line, adoptable
     by that task id, living ``ttl``. Returns the queued lock's nonce (for the message to
     carry), or None when the lease was no longer held. The queued lock's fencing token
-    (its czxid) is larger than the lease's: see :mod:`celery_dlock.zookeeper.fencing`."""
+    (from its sequence number) is larger than the lease's: see
+    :mod:`celery_dlock.zookeeper.fencing`."""
     assert isinstance(lease, ZkLease)
     session = space.shared
     nonce = secrets.token_urlsafe(15)

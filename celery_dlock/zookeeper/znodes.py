@@ -110,7 +110,7 @@ def read(
 def abandon(client: KazooClient, session: SharedClient, path: str) -> None:
     """Delete our queue node after a refusal or an error (owed until it lands)."""
     try:
-        client.delete_async(path).get(timeout=session.op_timeout)
+        session.answer(client.delete_async(path))
     except NoNodeError:
         pass
     except KAZOO_ERRORS:
