@@ -1,0 +1,370 @@
+"""The pool matrix: Celery's five worker pools by the lock's core behaviours, on real workers.
+
+One ``celery worker`` per pool (``-A tests.pool_app``) serves every row of that pool; the
+worker-kill row runs last and kills it. The locks live on a Redis server of this module's own,
+so the connections a worker opens to the lock server can be counted (``INFO clients``).
+
+:data:`HOLDS` says on which pools each row holds; where it does not, the test checks what
+happens instead (docs/singleton.md, "Pools", says the same: a test below keeps the table and
+this matrix in step).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import group, states
+
+from celery_dlock import LockLost, lock
+from celery_dlock.testing import RedisServer
+from tests.celery_fixtures import Mode, make_mode
+from tests.clients import client
+from tests.workers import Journal, Worker, intervals, overlaps
+
+pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "singleton.md"
+POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
+GREEN = ("gevent", "eventlet")
+CONCURRENCY = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 50, "eventlet": 50}
+#: tests/pool_app.py's lease length for ``held``.
+TTL = 1.0
+#: "At once", allowing for a loaded test machine.
+PROMPT = 1.0
+#: Locked tasks run to count the connections a worker opens to the lock server (the issue's
+#: figure: DLOCK_POOL_TASKS=1000 ... -s -k connections prints it per pool).
+TASKS = int(os.environ.get("DLOCK_POOL_TASKS", "200"))
+
+#: On which pools each row holds (the rest: see the test, and docs/singleton.md "Pools").
+HOLDS: dict[str, tuple[str, ...]] = {
+    "one-body": POOLS,
+    "renews-while-yielding": POOLS,
+    "release-success": POOLS,
+    "release-exception": POOLS,
+    "release-revoke": ("prefork", "gevent", "eventlet"),
+    "release-kill": POOLS,
+    "lock-wait": POOLS,
+    "loss-reported": POOLS,
+    "loss-stops-body": ("prefork", "threads", "solo"),
+    "cpu-bound-renews": ("prefork", "threads", "solo"),
+    "connections-bounded": POOLS,
+}
+
+
+def holds(row: str, pool: str) -> bool:
+    return pool in HOLDS[row]
+
+
+# -- servers and workers -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lock_server() -> Iterator[RedisServer]:
+    """The lock server, the matrix's own: nothing else connects to it."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mode(celery_base: str, lock_server: RedisServer) -> Mode:
+    return make_mode("single", celery_base, lock_urls=[lock_server.url])
+
+
+class Workers:
+    """One worker per pool, started when first needed (again after the kill row)."""
+
+    def __init__(self, mode: Mode, journal: Journal) -> None:
+        self.mode = mode
+        self.journal = journal
+        self.started: dict[str, Worker] = {}
+
+    def get(self, pool: str) -> Worker:
+        worker = self.started.get(pool)
+        if worker is None or worker.process is None or worker.process.poll() is not None:
+            worker = Worker(
+                self.mode.env,
+                self.journal,
+                name=f"pool-{pool}",
+                pool=pool,
+                concurrency=CONCURRENCY[pool],
+                queue=f"pool_{pool}",
+                app="tests.pool_app",
+            )
+            self.started[pool] = worker.start(timeout=60)
+        return worker
+
+    def stop(self) -> None:
+        for worker in self.started.values():
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def pa(wa: Any) -> Any:
+    """The test process's copy of ``tests.pool_app`` (its app is ``wa``'s, pointed at the
+    module's servers)."""
+    from tests import pool_app
+
+    return pool_app
+
+
+@pytest.fixture(scope="module")
+def workers(mode: Mode, pa: Any) -> Iterator[Workers]:
+    found = Workers(mode, Journal(mode.env["DLOCK_TEST_JOURNAL"]))
+    yield found
+    found.stop()
+
+
+def key_of(name: str) -> str:
+    return f"dlock:{{pool:{name}}}"
+
+
+def wait_free(mode: Mode, name: str, timeout: float) -> float:
+    """Wait until nobody holds ``pool:{name}``; when that was seen."""
+    redis = client(mode.lock_urls[0])
+    deadline = time.monotonic() + timeout
+    while redis.exists(key_of(name)):
+        assert time.monotonic() < deadline, f"pool:{name} still held after {timeout} s"
+        time.sleep(0.005)
+    return time.monotonic()
+
+
+def outcome(pa: Any, task_id: str, timeout: float = 30) -> tuple[str, Any]:
+    """The task's final state and stored result (or error), waited for."""
+    deadline = time.monotonic() + timeout
+    while True:
+        meta = pa.app.backend.get_task_meta(task_id, cache=False)
+        if meta["status"] in states.READY_STATES:
+            return meta["status"], meta["result"]
+        assert time.monotonic() < deadline, f"{task_id} is {meta['status']} after {timeout} s"
+        time.sleep(0.02)
+
+
+def run_held(pa: Any, journal: Journal, worker: Worker, name: str, how: str, secs: float) -> Any:
+    result = pa.held.apply_async((name, how, secs), queue=worker.queue)
+    journal.wait_for("start", id=result.id, timeout=30)
+    return result
+
+
+# -- the rows ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_one_body_per_key(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """Calls of one key sent at once: never two bodies at once; the rest are dropped."""
+    worker = workers.get(pool)
+    name = f"one-{pool}"
+    results = [pa.held.apply_async((name, "sleep", 0.5), queue=worker.queue) for _ in range(6)]
+    for result in results:
+        outcome(pa, result.id)
+    spans = intervals(journal.entries(), name=name)
+    assert spans, "no body ran"
+    assert overlaps(spans) == [], spans
+    # With one process at a time, the calls may also run one after another; with more, some
+    # are dropped while the first runs.
+    if CONCURRENCY[pool] > 1:
+        assert len(spans) < len(results), spans
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_renews_while_yielding(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """A body that yields keeps its lease for 2.5 times lock_ttl: renewal runs beside it."""
+    worker = workers.get(pool)
+    result = run_held(pa, journal, worker, f"renew-{pool}", "sleep", 2.5 * TTL)
+    assert outcome(pa, result.id) == (states.SUCCESS, f"renew-{pool}")
+    (end,) = journal.select("end", id=result.id)
+    assert end["lost"] is False
+    assert journal.select("lost", id=result.id) == []
+
+
+@pytest.mark.parametrize("how", ["return", "raise"])
+@pytest.mark.parametrize("pool", POOLS)
+def test_release(pool: str, how: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """The key frees at once when the body returns or raises."""
+    worker = workers.get(pool)
+    name = f"release-{how}-{pool}"
+    result = run_held(pa, journal, worker, name, "raise" if how == "raise" else "sleep", 0.3)
+    (end,) = journal.wait_for("end", id=result.id, timeout=30)
+    freed = wait_free(workers.mode, name, timeout=2 * TTL + 5)
+    assert freed - end["t"] < PROMPT, freed - end["t"]
+    state, _ = outcome(pa, result.id)
+    assert state == (states.FAILURE if how == "raise" else states.SUCCESS)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_release_on_revoke(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """``revoke(terminate=True)`` stops the body and frees the key at once, where the pool
+    can terminate a task; elsewhere the body runs on, holding the key, to its end."""
+    worker = workers.get(pool)
+    name = f"revoke-{pool}"
+    result = run_held(pa, journal, worker, name, "sleep", 4.0)
+    revoked = time.monotonic()
+    pa.app.control.revoke(result.id, terminate=True)
+    freed = wait_free(workers.mode, name, timeout=10)
+    (end,) = journal.wait_for("end", id=result.id, timeout=10)
+    if holds("release-revoke", pool):
+        assert end["ended"] != "returned", end
+        assert freed - revoked < PROMPT + 1, freed - revoked
+    else:  # nothing stopped it: it ran its 4 s, and let the key go then
+        assert end["ended"] == "returned", end
+        assert freed >= end["t"]
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_lock_wait_inside_a_task(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """``lock(wait=)`` in a task takes the key when its holder lets go; meanwhile the worker
+    runs its other tasks (the wait blocks neither the pool nor, on gevent/eventlet, the hub)."""
+    worker = workers.get(pool)
+    name = f"wait-{pool}"
+    with lock([workers.mode.lock_urls[0]], f"pool:{name}", ttl=30) as held:
+        result = pa.lock_waiter.apply_async((name, 20.0), queue=worker.queue)
+        journal.wait_for("waiting", id=result.id, timeout=30)
+        if CONCURRENCY[pool] > 1:
+            assert pa.ping.apply_async((name,), queue=worker.queue).get(timeout=15) == name
+        assert journal.select("acquired", id=result.id) == []
+        token = held.token
+    assert result.get(timeout=15) > token
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_lease_loss(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """The key deleted behind a running body: the loss is reported (``lock_lost``, the task
+    fails with ``LockLost``); where the pool allows, the body is stopped there and then."""
+    worker = workers.get(pool)
+    name = f"loss-{pool}"
+    secs = 3.0
+    result = run_held(pa, journal, worker, name, "sleep", secs)
+    (start,) = journal.select("start", id=result.id)
+    client(workers.mode.lock_urls[0]).delete(key_of(name))
+    journal.wait_for("lost", id=result.id, timeout=2 * TTL + 5)
+    state, error = outcome(pa, result.id)
+    assert state == states.FAILURE
+    assert isinstance(error, LockLost), error
+    (end,) = journal.select("end", id=result.id)
+    assert end["lost"] is True
+    if holds("loss-stops-body", pool):
+        assert end["ended"] == "LockLost", end
+        assert end["t"] - start["t"] < secs - 1, end
+    else:  # it runs to its end; its task still fails with LockLost
+        assert end["ended"] == "returned", end
+        assert end["t"] - start["t"] >= secs
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_cpu_bound_body(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """A body that computes for 2.5 times lock_ttl without yielding keeps its lease where the
+    watchdog is a real thread; on gevent and eventlet the watchdog cannot run meanwhile, the
+    lease lapses, and the task fails with ``LockLost``: the overlap is reported, not silent."""
+    worker = workers.get(pool)
+    name = f"spin-{pool}"
+    result = run_held(pa, journal, worker, name, "spin", 2.5 * TTL)
+    state, error = outcome(pa, result.id)
+    (end,) = journal.select("end", id=result.id)
+    if holds("cpu-bound-renews", pool):
+        assert (state, error) == (states.SUCCESS, name)
+        assert end["lost"] is False
+    else:
+        assert state == states.FAILURE
+        assert isinstance(error, LockLost), error
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_connections_bounded(
+    pool: str, pa: Any, journal: Journal, workers: Workers, lock_server: RedisServer
+) -> None:
+    """Connections the worker opens to the lock server over many locked tasks are bounded by
+    its concurrency, not by the tasks run."""
+    worker = workers.get(pool)
+    redis = client(workers.mode.lock_urls[0])
+
+    def received() -> int:
+        return int(redis.info("stats")["total_connections_received"])
+
+    before = received()
+    batch = group(pa.quick.s(n) for n in range(TASKS)).apply_async(queue=worker.queue)
+    assert batch.get(timeout=120) == list(range(TASKS))
+    opened = received() - before
+    processes = CONCURRENCY[pool] if pool == "prefork" else 1
+    # Each task thread's (or greenlet's) one connection; per process, the watchdog's, the
+    # cleanup thread's, and one spare; the parent's start-up check.
+    bound = CONCURRENCY[pool] + 3 * processes + 1
+    print(f"\n{pool} -c {CONCURRENCY[pool]}: {opened} connections for {TASKS} tasks")
+    assert opened <= bound, f"{opened} connections for {TASKS} tasks on -c {CONCURRENCY[pool]}"
+
+
+#: What the worker's log must never say: the start-up check or the cleanup thread failing.
+BROKEN = ("could not check the lock nodes", "janitor round failed", "has no attribute")
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_worker_log(pool: str, workers: Workers) -> None:
+    """The worker's start-up check found the lock server; nothing of ours failed in the
+    background (the cleanup thread) over the rows run so far."""
+    worker = workers.get(pool)
+    deadline = time.monotonic() + 15  # the check runs just after the worker says it is ready
+    while "singleton task(s); locks on" not in (log := worker.log()):
+        assert time.monotonic() < deadline, f"no start-up check in the log:\n{log}"
+        time.sleep(0.05)
+    for line in log.splitlines():
+        assert not any(broken in line for broken in BROKEN), line
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_release_on_worker_kill(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """The worker killed outright (SIGKILL, nothing runs): the key frees within lock_ttl.
+    Runs last: it kills the pool's shared worker."""
+    worker = workers.get(pool)
+    name = f"kill-{pool}"
+    run_held(pa, journal, worker, name, "sleep", 30.0)
+    killed = time.monotonic()
+    worker.kill()
+    freed = wait_free(workers.mode, name, timeout=2 * TTL + 5)
+    assert freed - killed < TTL + PROMPT, freed - killed
+
+
+# -- the table in docs/singleton.md --------------------------------------------------------------
+
+TABLE_ROW = re.compile(r"^\| `(?P<id>[^`]+)`[^|]*\|(?P<cells>.*)\|\s*$")
+
+
+def documented() -> dict[str, tuple[str, ...]]:
+    """Row id -> the pools the "Pools" table in docs/singleton.md marks "yes"."""
+    section = DOCS.read_text().split("\n## Pools", 1)[1].split("\n## ", 1)[0]
+    found: dict[str, tuple[str, ...]] = {}
+    for line in section.splitlines():
+        match = TABLE_ROW.match(line)
+        if match is None:
+            continue
+        cells = [c.strip() for c in match.group("cells").split("|")][: len(POOLS)]
+        found[match.group("id")] = tuple(
+            pool for pool, cell in zip(POOLS, cells, strict=True) if cell == "yes"
+        )
+    return found
+
+
+def test_the_table_and_the_matrix_agree() -> None:
+    assert documented() == HOLDS
+
+
+def test_every_row_has_a_test() -> None:
+    names = {name for name in globals() if name.startswith("test_")}
+    wanted = {
+        "one-body": "test_one_body_per_key",
+        "renews-while-yielding": "test_renews_while_yielding",
+        "release-success": "test_release",
+        "release-exception": "test_release",
+        "release-revoke": "test_release_on_revoke",
+        "release-kill": "test_release_on_worker_kill",
+        "lock-wait": "test_lock_wait_inside_a_task",
+        "loss-reported": "test_lease_loss",
+        "loss-stops-body": "test_lease_loss",
+        "cpu-bound-renews": "test_cpu_bound_body",
+        "connections-bounded": "test_connections_bounded",
+    }
+    assert set(wanted) == set(HOLDS)
+    assert set(wanted.values()) <= names
