@@ -66,3 +66,17 @@ def ping(name: str) -> str:
 def quick(n: int) -> int:
     """A locked body that does nothing: one acquisition and one release per task."""
     return n
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_key="pool:{name}",
+    lock_ttl=TTL,
+    on_duplicate="wait",
+    lock_wait=30,
+)
+def waits(self: Any, name: str) -> str:
+    """A duplicate of ``pool:{name}`` waits for the key (in its pool process or thread)."""
+    record("start", id=self.request.id, name=name, how="waits", token=self.lease.token)
+    return name

@@ -297,6 +297,36 @@ def test_connections_bounded(
     assert opened <= bound, f"{opened} connections for {TASKS} tasks on -c {CONCURRENCY[pool]}"
 
 
+def test_waiting_duplicates_hold_pool_slots(pa: Any, journal: Journal, workers: Workers) -> None:
+    """``on_duplicate="wait"`` waits in the pool: two waiting duplicates on a ``-c 2`` prefork
+    worker leave no process for an unrelated task, which starts only once the key frees
+    (docs/singleton.md says so)."""
+    worker = workers.get("prefork")
+    name = "slots"
+    inspect = pa.app.control.inspect(destination=[worker.hostname], timeout=2)
+    with lock([workers.mode.lock_urls[0]], f"pool:{name}", ttl=30):
+        waiters = [pa.waits.apply_async((name,), queue=worker.queue) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while len((inspect.active() or {}).get(worker.hostname, [])) < 2:
+            assert time.monotonic() < deadline, "the two duplicates never both waited"
+            time.sleep(0.05)
+        pinged = pa.ping.apply_async((name,), queue=worker.queue)
+        wait_log(worker, f"Task tests.pool_app.ping[{pinged.id}] received")
+        released = time.monotonic()
+    assert pinged.get(timeout=30) == name
+    (ping,) = journal.select("ping", name=name)
+    assert ping["t"] > released, "the unrelated task ran while both processes waited"
+    for waiter in waiters:
+        assert waiter.get(timeout=30) == name
+
+
+def wait_log(worker: Worker, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in worker.log():
+        assert time.monotonic() < deadline, f"never logged: {text}"
+        time.sleep(0.05)
+
+
 #: What the worker's log must never say: the start-up check or the cleanup thread failing.
 BROKEN = ("could not check the lock nodes", "janitor round failed", "has no attribute")
 
