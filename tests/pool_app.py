@@ -17,7 +17,7 @@ from tests.worker_app import app, record
 __all__ = ["app"]
 
 #: The lease length of the matrix's locked bodies: short, so renewal is needed within a row.
-TTL = 1.0
+TTL = 1.5
 
 
 @app.task(base=SingletonTask, bind=True, lock_key="pool:{name}", lock_ttl=TTL)

@@ -118,6 +118,7 @@ class Node:
         self._local = threading.local()
         #: Connections of ended threads, by purpose, for the next thread's first use.
         self._idle: dict[str, list[Connection]] = {}
+        self._closed = False  # by close(): an ended thread's connections are closed then
         self._pid = forks.pid()
         self._down_until = 0.0
 
@@ -185,7 +186,7 @@ class Node:
         had confirmed are confirmed by its next reply or sent again by the janitor, as for a
         thread that stops using a connection without ending.
         """
-        if pid != self._pid or pid != forks.pid():
+        if self._closed or pid != self._pid or pid != forks.pid():
             return False
         for purpose, conn in conns.items():
             self._idle.setdefault(purpose, []).append(conn)
@@ -200,7 +201,9 @@ class Node:
                 _orphan_sent(conn)
 
     def close(self) -> None:
-        """Close this thread's connections and the client's pool."""
+        """Close this thread's connections, those kept from ended threads, and the client's
+        pool."""
+        self._closed = True
         self._close_connections()
         self.client.close()
 
