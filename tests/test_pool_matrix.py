@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,8 @@ import pytest
 from celery import group, states
 
 from celery_dlock import LockLost, lock
-from celery_dlock.testing import RedisServer
+from celery_dlock.redis.connecting import POLLIN, SelectPoll
+from celery_dlock.testing import RedisServer, redis_servers
 from tests.celery_fixtures import Mode, make_mode
 from tests.clients import client
 from tests.workers import Journal, Worker, intervals, overlaps
@@ -262,6 +264,7 @@ def test_lease_loss(pool: str, pa: Any, journal: Journal, workers: Workers) -> N
     else:  # it runs to its end; its task still fails with LockLost
         assert end["ended"] == "returned", end
         assert end["t"] - start["t"] >= secs
+        assert "it is a greenlet (gevent or eventlet pool), which cannot be" in worker.log()
 
 
 @pytest.mark.parametrize("pool", POOLS)
@@ -334,6 +337,73 @@ def wait_log(worker: Worker, text: str, timeout: float = 30) -> None:
     while text not in worker.log():
         assert time.monotonic() < deadline, f"never logged: {text}"
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def redlock_servers() -> Iterator[list[RedisServer]]:
+    with redis_servers(3) as servers:
+        yield servers
+
+
+def received(url: str) -> int:
+    """Connections the server at ``url`` has accepted since it started."""
+    return int(client(url).info("stats")["total_connections_received"])
+
+
+@pytest.mark.parametrize("pool", GREEN)
+def test_redlock_on_green_pools(
+    pool: str, pa: Any, journal: Journal, workers: Workers, redlock_servers: list[RedisServer]
+) -> None:
+    """Redlock over three nodes on a green pool: the fan-out waits for several sockets at once
+    (a poll, which eventlet takes away); renewal while the body yields; connections per node
+    bounded by the concurrency."""
+    urls = [server.url for server in redlock_servers]
+    worker = Worker(
+        {**workers.mode.env, "DLOCK_TEST_LOCK_URLS": ",".join(urls)},
+        workers.journal,
+        name=f"redlock-{pool}",
+        pool=pool,
+        concurrency=CONCURRENCY[pool],
+        queue=f"redlock_{pool}",
+        app="tests.pool_app",
+    )
+    worker.start(timeout=60)
+    try:
+        before = [received(url) for url in urls]
+        result = run_held(pa, journal, worker, f"redlock-{pool}", "sleep", 2 * TTL)
+        tasks = TASKS // 2
+        batch = group(pa.quick.s(n) for n in range(tasks)).apply_async(queue=worker.queue)
+        assert batch.get(timeout=120) == list(range(tasks))
+        assert outcome(pa, result.id) == (states.SUCCESS, f"redlock-{pool}")
+        (end,) = journal.select("end", id=result.id)
+        assert end["lost"] is False
+        opened = [received(url) - was for url, was in zip(urls, before, strict=True)]
+        assert max(opened) <= CONCURRENCY[pool] + 4, opened
+        for line in worker.log().splitlines():
+            assert not any(broken in line for broken in BROKEN), line
+    finally:
+        worker.stop()
+
+
+def test_select_poll_stands_in_for_poll() -> None:
+    """What eventlet's workers poll with (``select.poll`` gone): the same answers."""
+    left, right = socket.socketpair()
+    other, _ = socket.socketpair()
+    try:
+        polled = SelectPoll()
+        polled.register(left, POLLIN)
+        polled.register(other.fileno(), POLLIN)
+        assert polled.poll(0) == []
+        right.send(b"+OK\r\n")
+        assert polled.poll(1000) == [(left.fileno(), POLLIN)]
+        polled.unregister(left)
+        assert polled.poll(0) == []
+        right.close()
+        polled.register(left)  # EOF is readable too: a stale connection
+        assert polled.poll(0) == [(left.fileno(), POLLIN)]
+    finally:
+        for sock in (left, right, other, _):
+            sock.close()
 
 
 #: What the worker's log must never say: the start-up check or the cleanup thread failing.
