@@ -63,8 +63,9 @@ def ping(name: str) -> str:
 
 
 @app.task(base=SingletonTask, lock_key="quick:{n}", lock_ttl=5)
-def quick(n: int) -> int:
-    """A locked body that does nothing: one acquisition and one release per task."""
+def quick(n: int, secs: float = 0.0) -> int:
+    """A locked body that sleeps ``secs``: one acquisition and one release per task."""
+    time.sleep(secs)
     return n
 
 
