@@ -111,6 +111,13 @@ class LockContended(DLockError):
                 self.holder = None
 
 
+def after_wait(error: LockContended, seconds: float) -> LockContended:
+    """``error``, its message saying the caller waited ``seconds`` before it was refused
+    ("... (waited 2.0 s)"): a wait that ran out must not read like an immediate refusal."""
+    error.args = (f"{error.args[0]} (waited {seconds:.1f} s)", *error.args[1:])
+    return error
+
+
 class LockLost(DLockError):
     """A lease that was held is no longer known to be exclusive; ``reason`` says why."""
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from celery_dlock.config import check_key, check_renew_interval, check_seconds, check_ttl
-from celery_dlock.errors import ConfigError, LockContended
+from celery_dlock.errors import ConfigError, LockContended, after_wait
 from celery_dlock.lease import Lease, LostCallback
 from celery_dlock.registry import backend_for
 from celery_dlock.signals import lock_contended
@@ -83,6 +84,7 @@ class LockGuard:
 
     def acquire(self) -> Lease:
         """Take the lease now (the arguments were checked when the lock was defined)."""
+        begun = time.monotonic() if self._wait else 0.0
         try:
             if self._options is not None:
                 return self._backend.acquire_checked(
@@ -98,6 +100,8 @@ class LockGuard:
                 on_lost=self._on_lost,
             )
         except LockContended as exc:
+            if self._wait:
+                after_wait(exc, time.monotonic() - begun)
             lock_contended.send(
                 sender=None,
                 key=self._key,

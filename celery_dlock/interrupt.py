@@ -23,6 +23,7 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -88,6 +89,22 @@ class Run:
     def on_lost(self, lease: Lease, error: LockLost) -> None:
         """The lease's loss callback (watchdog thread): interrupt this body."""
         interrupt(self, error)
+
+
+#: Added to the warning when a body cannot be interrupted because it runs in a greenlet.
+GREEN_NOTE = (
+    ": it is a greenlet (gevent or eventlet pool), which cannot be interrupted; the body runs "
+    "to its end, then its task fails with LockLost"
+)
+
+
+def green() -> bool:
+    """True if gevent or eventlet has made this process's threads greenlets."""
+    monkey: Any = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return True
+    patcher: Any = sys.modules.get("eventlet.patcher")
+    return patcher is not None and bool(patcher.is_monkey_patched("thread"))
 
 
 _lock = threading.Lock()
@@ -157,4 +174,8 @@ def interrupt(run: Run, error: LockLost | None = None) -> None:
                 ctypes.c_ulong(run.thread), ctypes.py_object(LockLostInterrupt)
             )
             if done != 1:
-                log.warning("cannot interrupt thread %s, whose lease was lost", run.thread)
+                log.warning(
+                    "cannot interrupt thread %s, whose lease was lost%s",
+                    run.thread,
+                    GREEN_NOTE if green() else "",
+                )

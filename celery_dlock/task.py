@@ -38,6 +38,7 @@ import functools
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,7 +50,13 @@ from celery.utils.time import get_exponential_backoff_interval
 from celery_dlock import enqueue, interrupt
 from celery_dlock.backend import Backend
 from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
-from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
+from celery_dlock.errors import (
+    ConfigError,
+    LockContended,
+    LockLost,
+    LockUnavailable,
+    after_wait,
+)
 from celery_dlock.headers import (
     HEADER_DUPLICATE_OF,
     HEADER_REDELIVERED,
@@ -299,17 +306,24 @@ class SingletonTask(_TaskBase):
         self, resolved: _Resolved, key: str, request: Any, run: interrupt.Run | None
     ) -> Lease:
         """Take the execution's lease (LockContended, LockUnavailable: the caller's policy)."""
-        lease = resolved.manager.acquire_checked(
-            key,
-            resolved.ttl,
-            self.lock_wait if self.on_duplicate == "wait" else 0.0,
-            holder=request.id,
-            interval=resolved.interval,
-            max_hold=resolved.max_hold(request),
-            on_lost=self._on_lost_handler(run),
-            takeover=request.id if self.lock_on == "enqueue" else None,
-            sender=self,
-        )
+        wait = self.lock_wait if self.on_duplicate == "wait" else 0.0
+        begun = time.monotonic() if wait else 0.0
+        try:
+            lease = resolved.manager.acquire_checked(
+                key,
+                resolved.ttl,
+                wait,
+                holder=request.id,
+                interval=resolved.interval,
+                max_hold=resolved.max_hold(request),
+                on_lost=self._on_lost_handler(run),
+                takeover=request.id if self.lock_on == "enqueue" else None,
+                sender=self,
+            )
+        except LockContended as exc:
+            if wait:
+                after_wait(exc, time.monotonic() - begun)
+            raise
         if run is not None:
             run.lease = lease
         return lease

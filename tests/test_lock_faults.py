@@ -16,6 +16,7 @@ from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, interrupt, lock
 from celery_dlock.lease import Lease
+from celery_dlock.redis import scripts
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.clients import client
@@ -133,13 +134,12 @@ def test_a_call_interrupted_while_connecting_never_shares_the_connection_being_s
     with redis_servers(3, extra_args=["--requirepass", "pw"]) as servers:
         urls = [f"redis://:pw@127.0.0.1:{s.port}/1" for s in servers]
         manager = manager_for(app_for(urls, dlock_node_timeout=2.0))
-        # The scripts cached on every server, by another thread: this one's connections
-        # stay unopened, so the call below connects all three in the background.
-        warm = threading.Thread(
-            target=lambda: manager.acquire("warm", ttl=5, renew=False).release()
-        )
-        warm.start()
-        warm.join()
+        # The scripts cached on every server, by a client of our own: the manager's
+        # connections stay unopened (a thread's would pass to this one when it ended), so
+        # the call below connects all three in the background.
+        for url in urls:
+            for source in scripts.ALL.values():
+                client(url).script_load(source)
         conns = [node.connection() for node in manager.nodes]
         servers[1].pause()  # its TCP connect succeeds; AUTH waits for a reply
         try:

@@ -5,6 +5,10 @@ A connection is connected by :func:`.nodes.connect`; this module connects the co
 fan-out call needs all at once (:func:`connect_all`), and tells with one ``poll()`` and no round
 trip whether an idle one has data or EOF waiting (:func:`stale`, :func:`stale_set`): then it
 can no longer be trusted and is replaced before the next command.
+
+``poll()`` is ``select.poll``, or under eventlet (whose monkey patching removes ``select.poll``,
+which it cannot make cooperative) the same interface over its cooperative ``select.select``
+(:func:`poller`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_dlock.background import ProcessPool
 from celery_dlock.errors import ConfigError
 from celery_dlock.redis.nodes import Connection, ConnState, Node, Reply, connect, is_connected
+
+#: ``select.POLLIN``: kept by eventlet's patching, but the constant is fixed by the platform.
+POLLIN: int = getattr(select, "POLLIN", 1)
 
 #: A node's reply not in yet: what a call's list of replies holds for the nodes still to do.
 PENDING = object()
@@ -93,6 +100,45 @@ def _closer(conn: Connection) -> Callable[[Future[Any]], None]:
     return lambda _: conn.disconnect()
 
 
+class SelectPoll:
+    """``select.poll``'s interface over ``select.select``, for when an event library has taken
+    ``select.poll`` away: eventlet's ``monkey_patch()`` removes it, and its ``select.select``
+    waits in the hub instead, so other green threads run meanwhile. Only ``POLLIN``."""
+
+    __slots__ = ("_fds",)
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+
+    def register(self, fd: Any, eventmask: int = POLLIN) -> None:
+        number = fd if isinstance(fd, int) else fd.fileno()
+        if number not in self._fds:
+            self._fds.append(number)
+
+    def unregister(self, fd: Any) -> None:
+        self._fds.remove(fd if isinstance(fd, int) else fd.fileno())
+
+    def poll(self, timeout: float | None = None) -> list[tuple[int, int]]:
+        """``(fd, POLLIN)`` for each readable descriptor; ``timeout`` in milliseconds."""
+        seconds = None if timeout is None or timeout < 0 else timeout / 1000
+        if not self._fds:
+            if seconds:
+                time.sleep(seconds)
+            return []
+        readable, _, _ = select.select(self._fds, [], [], seconds)
+        return [(fd, POLLIN) for fd in readable]
+
+
+def poller() -> Any:
+    """A new ``select.poll`` object, or a :class:`SelectPoll` where ``select.poll`` is gone.
+
+    Looked up on each call, not at import: a process may be monkey-patched after importing
+    this module.
+    """
+    make = getattr(select, "poll", None)
+    return make() if make is not None else SelectPoll()
+
+
 def stale(conn: Connection) -> bool:
     """True if an idle connection has data or EOF waiting: it can no longer be trusted.
 
@@ -106,30 +152,29 @@ def stale(conn: Connection) -> bool:
         # One poll object per socket, kept on the connection: making one per call cost
         # more than the poll itself, on every acquire and every release.
         state: ConnState = conn._dlock
-        poller = state.poll
-        if poller is None or state.sock is not sock:
+        polled = state.poll
+        if polled is None or state.sock is not sock:
             state.on(sock)
-            poller = select.poll()
-            poller.register(sock, select.POLLIN)
-            state.poll = poller
+            polled = state.poll = poller()
+            polled.register(sock, POLLIN)
             state.tls = isinstance(sock, ssl.SSLSocket)
         if state.tls and _tls_pending(sock):
             return True
-        return bool(poller.poll(0))
+        return bool(polled.poll(0))
     except (OSError, ValueError):
         return True
 
 
 def stale_set(conns: Sequence[Connection], todo: Sequence[int]) -> set[int]:
     """Which of the connections have data or EOF waiting before we asked anything."""
-    poller = select.poll()
+    polled = poller()
     by_fd: dict[int, int] = {}
     for i in todo:
         sock = getattr(conns[i], "_sock", None)
         if sock is not None:
             by_fd[sock.fileno()] = i
-            poller.register(sock, select.POLLIN)
-    waiting = {by_fd[fd] for fd, _ in poller.poll(0)}
+            polled.register(sock, POLLIN)
+    waiting = {by_fd[fd] for fd, _ in polled.poll(0)}
     for i in by_fd.values():
         sock = conns[i]._sock
         if i not in waiting and isinstance(sock, ssl.SSLSocket) and _tls_pending(sock):

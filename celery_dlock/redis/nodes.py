@@ -165,6 +165,9 @@ class Node:
             name: client.register_script(source) for name, source in scripts.ALL.items()
         }
         self._local = threading.local()
+        #: Connections of ended threads, by purpose, for the next thread's first use.
+        self._idle: dict[str, list[Connection]] = {}
+        self._closed = False  # by close(): an ended thread's connections are closed then
         self._pid = forks.pid()
         self._down_until = 0.0
 
@@ -194,10 +197,17 @@ class Node:
         return conn
 
     def connection(self, purpose: str = "cmd") -> Connection:
-        """This thread's connection for ``purpose`` ("cmd", or "wait" for blocking pops)."""
+        """This thread's connection for ``purpose`` ("cmd", or "wait" for blocking pops).
+
+        A thread keeps its connection until it ends; then the connection is kept for the next
+        thread's first use (:meth:`_recycle`) rather than closed. Under gevent and eventlet a
+        "thread" is a greenlet, and the pools run each task in a new one: so a worker opens
+        about as many connections as it runs tasks at once, not one per task.
+        """
         if self._pid != forks.pid():
             # A forked child must not share the parent's sockets: start afresh.
             self._local = threading.local()
+            self._idle = {}
             self._pid = forks.pid()
         try:  # on every command: the usual case first
             conn: Connection = self._local.conns[purpose]
@@ -206,11 +216,30 @@ class Node:
             pass
         conns: _ThreadConnections | None = getattr(self._local, "conns", None)
         if conns is None:
-            conns = self._local.conns = _ThreadConnections()
+            conns = self._local.conns = _ThreadConnections(self)
         conn = conns.get(purpose)
         if conn is None:
-            conn = conns[purpose] = self._new_connection()
+            try:
+                conn = self._idle[purpose].pop()
+            except (KeyError, IndexError):
+                conn = self._new_connection()
+            conns[purpose] = conn
         return conn
+
+    def _recycle(self, conns: dict[str, Connection], pid: int) -> bool:
+        """Keep an ended thread's connections for other threads; False if they cannot be
+        (made before a fork): then the caller closes them.
+
+        A connection keeps its state (:class:`ConnState`) with it: replies it still owes are
+        read before its next command, whoever sends it, and reply-less releases it has not
+        had confirmed are confirmed by its next reply or sent again by the janitor, as for a
+        thread that stops using a connection without ending.
+        """
+        if self._closed or pid != self._pid or pid != forks.pid():
+            return False
+        for purpose, conn in conns.items():
+            self._idle.setdefault(purpose, []).append(conn)
+        return True
 
     def drop_connection(self, purpose: str = "cmd") -> None:
         """Forget this thread's connection for ``purpose``; a new one is made on next use."""
@@ -221,7 +250,9 @@ class Node:
                 _orphan_sent(conn)
 
     def close(self) -> None:
-        """Close this thread's connections and the client's pool."""
+        """Close this thread's connections, those kept from ended threads, and the client's
+        pool."""
+        self._closed = True
         self._close_connections()
         self.client.close()
 
@@ -229,6 +260,11 @@ class Node:
         conns: _ThreadConnections | None = getattr(self._local, "conns", None)
         if conns is not None:
             conns.close()
+        idle, self._idle = self._idle, {}
+        for kept in idle.values():
+            for conn in kept:
+                conn.disconnect()
+                _orphan_sent(conn)
 
     def route(self, key: str) -> Node:
         """The node that holds ``key``: this one (a ``ClusterNode`` picks its shard)."""
@@ -421,12 +457,19 @@ def reconnect(node: Node, conn: Connection) -> None:
 
 
 class _ThreadConnections(dict[str, Connection]):
-    """One thread's connections to one node, closed when the thread ends.
+    """One thread's connections to one node, handed to the node for other threads when the
+    thread ends (:meth:`Node._recycle`), or closed.
 
     A thread's ``threading.local`` data is dropped by reference counting when the thread
-    exits, so ``__del__`` runs then; redis-py connections themselves sit in reference cycles
-    and would otherwise wait for the cycle collector, leaking their sockets until it runs.
+    exits, so ``__del__`` runs then (a greenlet's too, under gevent and eventlet); redis-py
+    connections themselves sit in reference cycles and would otherwise wait for the cycle
+    collector, leaking their sockets until it runs.
     """
+
+    def __init__(self, node: Node) -> None:
+        super().__init__()
+        self.node = node
+        self.pid = forks.pid()
 
     def close(self) -> None:
         for conn in self.values():
@@ -435,6 +478,12 @@ class _ThreadConnections(dict[str, Connection]):
         self.clear()
 
     def __del__(self) -> None:
+        try:
+            if self and self.node._recycle(self, self.pid):
+                self.clear()
+                return
+        except Exception:  # at interpreter exit, modules go first
+            pass
         self.close()
 
 

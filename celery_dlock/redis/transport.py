@@ -22,7 +22,6 @@ uses this module.
 from __future__ import annotations
 
 import logging
-import select
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -33,7 +32,14 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock.redis import resends
-from celery_dlock.redis.connecting import PENDING, connect_all, stale, stale_set
+from celery_dlock.redis.connecting import (
+    PENDING,
+    POLLIN,
+    connect_all,
+    poller,
+    stale,
+    stale_set,
+)
 from celery_dlock.redis.nodes import (
     Cluster,
     Connection,
@@ -253,14 +259,14 @@ def _exchange(
             replies[i] = _reply(nodes[i], conns[i]) if tracked else read(conns[i])
             return
         deadline = time.monotonic() + timeout
-        poller = select.poll()
+        polled = poller()
         for fd in unread:
-            poller.register(fd, select.POLLIN)
+            polled.register(fd, POLLIN)
         while unread:
             left = deadline - time.monotonic()
             # Past the deadline, still a zero-timeout poll: a thread that got the CPU (or the
             # GIL) back late takes the replies already there rather than call those nodes silent.
-            ready = poller.poll(max(left, 0.0) * 1000)
+            ready = polled.poll(max(left, 0.0) * 1000)
             if not ready:
                 for i in unread.values():
                     conns[i].disconnect()
@@ -269,7 +275,7 @@ def _exchange(
                 break
             for fd, _ in ready:
                 i = unread.pop(fd)
-                poller.unregister(fd)
+                polled.unregister(fd)
                 replies[i] = _reply(nodes[i], conns[i]) if tracked else read(conns[i])
     except BaseException:
         for i in unread.values():
