@@ -36,6 +36,7 @@ import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from kombu.serialization import dumps, loads
 
@@ -191,6 +192,59 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+#: Escaped in every value a template fills in: the escape character, and the braces of a
+#: Redis Cluster hash tag (a value must not end or open the key's tag).
+ALWAYS_ESCAPED = "%{}"
+#: String values that read as a constant's text: encoded whole, so that ``None`` and
+#: ``"None"`` fill in different keys.
+_CONSTANT_TEXTS = frozenset({"None", "True", "False"})
+
+
+def _escapes(chars: str) -> dict[int, str]:
+    return {ord(c): quote(c, safe="") for c in chars}
+
+
+class Template:
+    """A ``lock_key`` template whose filling is injective in the values filled in.
+
+    Each value's text has ``%`` (the escape), ``{``, ``}`` and the first character of the
+    literal text that follows its field percent-encoded (``"acme:eu"`` in
+    ``"meta:{source}:{entity}"`` is ``acme%3Aeu``), so a value cannot run into the next part:
+    ``("acme:eu", "invoice-7")`` and ``("acme", "eu:invoice-7")`` fill different keys. A value
+    without those characters is written as it always was. A str that reads ``None``, ``True``
+    or ``False`` is encoded whole (``%4E%6F%6E%65``), so it differs from the constant.
+    Numbers and their decimal strings (``5``, ``"5"``) still fill the same text.
+    """
+
+    def __init__(self, parsed: Sequence[tuple[str, str | None, str | None, str | None]]) -> None:
+        formatter = string.Formatter()
+        self._formatter = formatter
+        self._parts: list[tuple[str, str | None, str, str | None, dict[int, str]]] = []
+        for i, (literal, field, spec, conversion) in enumerate(parsed):
+            following = parsed[i + 1][0] if i + 1 < len(parsed) else ""
+            table = _escapes(ALWAYS_ESCAPED + following[:1])
+            self._parts.append((literal, field, spec or "", conversion, table))
+
+    def fill(self, values: Mapping[str, Any]) -> str:
+        out: list[str] = []
+        for literal, field, spec, conversion, table in self._parts:
+            out.append(literal)
+            if field is None:
+                continue
+            if field in values:
+                value = values[field]
+            else:
+                value = self._formatter.get_field(field, (), values)[0]
+            if conversion is not None:
+                value = self._formatter.convert_field(value, conversion)
+            text = value if type(value) is str and not spec else format(value, spec)
+            if type(value) is str and text in _CONSTANT_TEXTS:
+                out.append("".join(f"%{ord(c):02X}" for c in text))
+            else:
+                out.append(text.translate(table))
+        return "".join(out)
+
+
 class KeyBuilder:
     """Turns a task call's ``(args, kwargs)`` into its lock key; built once per task class."""
 
@@ -261,7 +315,7 @@ class KeyBuilder:
         except ValueError as exc:
             raise ConfigError(f"{where} {template!r} is not a valid template: {exc}.") from None
         fields = []
-        for _, field, _, _ in parsed:
+        for i, (_, field, _, _) in enumerate(parsed):
             if field is None:
                 continue
             name = field.split(".", 1)[0].split("[", 1)[0]
@@ -269,6 +323,14 @@ class KeyBuilder:
                 raise ConfigError(
                     f"{where} {template!r} must name arguments, e.g. '{{source}}', not "
                     f"'{{{field}}}'."
+                )
+            following = parsed[i + 1] if i + 1 < len(parsed) else None
+            if following is not None and not following[0] and following[1] is not None:
+                raise ConfigError(
+                    f"{where} {template!r} puts '{{{field}}}' and '{{{following[1]}}}' side by "
+                    "side: two different calls could fill in one key (('ab', 'c') and "
+                    f"('a', 'bc')); put a separator between them, e.g. '{{{field}}}:"
+                    f"{{{following[1]}}}'."
                 )
             fields.append(name)
         self._check_names(fields, where)
@@ -280,6 +342,7 @@ class KeyBuilder:
                 f"would share one lock. Write lock_key=['{template}'] or '{{{template}}}' to "
                 "key on that argument."
             )
+        self._template = Template(parsed)
         return fields
 
     def _simple(self) -> tuple[list[str], dict[str, Any]] | None:
@@ -348,7 +411,7 @@ class KeyBuilder:
         self, template: str, fields: list[str], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> str:
         arguments = self._lookup(args, kwargs)
-        return shorten(template.format_map({name: arguments.get(name) for name in fields}))
+        return shorten(self._template.fill({name: arguments.get(name) for name in fields}))
 
     def _call(self, fn: KeyFunction, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         key = fn(args, kwargs)
