@@ -234,3 +234,59 @@ def test_side_by_side_fields_are_refused_at_definition() -> None:
         def joined(a: str, b: str) -> None: ...
 
         joined.lock_key_for(("ab", "c"), {})
+
+
+# -- 3. least privilege: the workers' ACL line has no SCAN ------------------------------------
+
+
+@pytest.mark.local_redis
+def test_a_worker_runs_its_tasks_as_the_acl_user_without_scan(celery_base: str, wa: Any) -> None:
+    """A real prefork worker whose lock URL is a user made with exactly the workers' line of
+    docs/topologies.md runs SingletonTasks (take, contend and drop, wait and be woken); that
+    user cannot SCAN another application's keys; the operator's line can list (on c53a04b
+    the one line there was granted ``+scan``)."""
+    import redis
+
+    from celery_dlock.redis.diagnose import acl_rules
+
+    worker_line = acl_rules()
+    assert "+scan" not in worker_line.split()
+    assert "+scan" in acl_rules(operator=True).split()
+    with RedisServer() as server:
+        admin = redis.Redis(port=server.port)
+        admin.set("other-app:session:42", "secret-session")
+        for user, rules in (("dlock", worker_line), ("dlock-admin", acl_rules(operator=True))):
+            admin.execute_command(
+                "ACL", "SETUSER", user, "reset", "on", ">pw", "-@all", *rules.split()
+            )
+        url = f"redis://dlock:pw@127.0.0.1:{server.port}/0"
+        as_worker = redis.Redis.from_url(url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            as_worker.scan(match="*")
+        env = {
+            "DLOCK_TEST_BROKER": with_db(celery_base, 10),
+            "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
+            "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
+            "DLOCK_TEST_LOCK_URLS": url,
+        }
+        journal = Journal(env["DLOCK_TEST_JOURNAL"])
+        journal.clear()
+        worker = Worker(env, journal, name="acl-worker", concurrency=3).start()
+        try:
+            held = wa.drop_task.delay("acl-drop", 2.0)
+            journal.wait_for("start", timeout=20, id=held.id)
+            dropped = wa.drop_task.delay("acl-drop", 2.0).get(timeout=20)
+            waiting = [wa.wait_task.delay("acl-wait", n, 0.3) for n in range(2)]
+            assert sorted(r.get(timeout=30) for r in waiting) == [0, 1]
+            assert held.get(timeout=20) == "acl-drop"
+            log = worker.log()
+        finally:
+            worker.stop()
+        assert dropped["dlock_dropped"] is True
+        assert "NOPERM" not in log, log
+        assert "NoPermission" not in log, log
+        listed = dlock_cli([url.replace("dlock:", "dlock-admin:")], "list")
+        assert listed.returncode == 0, listed.stderr
+        refused = dlock_cli([url], "list")
+        assert refused.returncode == 1
+        assert refused.stderr.rstrip().endswith(f"ACL SETUSER dlock {acl_rules(operator=True)}")
