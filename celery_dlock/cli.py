@@ -48,9 +48,27 @@ def _plain_errors(command: F) -> F:
         try:
             return command(*args, **kwargs)
         except (LockUnavailable, ConfigError) as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(printable(str(exc))) from exc
 
     return run  # type: ignore[return-value]
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (newline, ESC, ...), other
+    non-printable ones (bidi overrides, lone surrogates) and the backslash escaped as Python
+    writes them (``\\n``, ``\\x1b``, ``\\u202e``, ``\\\\``), so a key or holder field read from the
+    lock store cannot forge a table row or send the terminal escape sequences. Two different
+    texts stay different."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else _escaped(c) for c in text)
+
+
+def _escaped(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    text = repr(char)[1:-1]
+    return text if text.startswith("\\") else f"\\u{ord(char):04x}"
 
 
 def _app(ctx: click.Context) -> Any:
@@ -62,7 +80,7 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
         ctx.obj.echo("no locks held")
         return
     columns = ("key", "task", "task_id", "host", "pid", "age", "ttl_left", "fence")
-    shown = [[("-" if r[c] is None else str(r[c])) for c in columns] for r in rows]
+    shown = [[("-" if r[c] is None else printable(str(r[c]))) for c in columns] for r in rows]
     widths = [max(len(c), *(len(s[i]) for s in shown)) for i, c in enumerate(columns)]
     ctx.obj.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for line in shown:
@@ -109,7 +127,7 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
             ctx.obj.echo(json.dumps(row))
         return
     backend = backend_for(_app(ctx))
-    ctx.obj.echo(f"locks on {_where(backend)}:")
+    ctx.obj.echo(f"locks on {printable(_where(backend))}:")
     _print_table(ctx, rows)
     if rows and _on_zookeeper(backend):
         ctx.obj.echo(f"ttl_left -: {NO_TTL}")
@@ -140,7 +158,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         if name == "ttl_left" and value is None and zookeeper:
             ctx.obj.echo(f"{name:9} - ({NO_TTL})")
         elif name != "held":
-            ctx.obj.echo(f"{name:9} {'-' if value is None else value}")
+            ctx.obj.echo(f"{name:9} {'-' if value is None else printable(str(value))}")
 
 
 def _confirm(ctx: click.Context, question: str, yes: bool) -> None:
@@ -163,7 +181,7 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
         else:
             ctx.obj.echo(f"{key!r} is not held; nothing to release")
         return
-    _confirm(ctx, f"Release {key!r}, held by {info.holder.describe()}?", yes)
+    _confirm(ctx, printable(f"Release {key!r}, held by {info.holder.describe()}?"), yes)
     # Only the acquisition that was shown: one taken since then is not released unasked.
     released = admin.release(_app(ctx), key, holder=info.holder)
     if as_json:
@@ -217,14 +235,14 @@ def check(ctx: click.Context, no_reach: bool) -> None:
         ctx.obj.echo(f"{len(report.tasks)} SingletonTask(s): {', '.join(report.tasks)}")
     for url, error in report.nodes:
         state = "not contacted" if no_reach else ("ok" if error is None else error)
-        ctx.obj.echo(f"lock node {url}: {state}")
+        ctx.obj.echo(printable(f"lock node {url}: {state}"))
     if len(report.nodes) > 1 and not no_reach:
         answered = sum(1 for _, error in report.nodes if error is None)
         need = len(report.nodes) // 2 + 1
         verdict = "locks work" if report.quorum_reached else "locks are refused"
         ctx.obj.echo(f"{answered} of {len(report.nodes)} nodes answered, {need} needed: {verdict}")
     for problem in report.problems:
-        ctx.obj.echo(f"problem: {problem}", err=True)
+        ctx.obj.echo(printable(f"problem: {problem}"), err=True)
     if report.ok:
         ctx.obj.echo("ok")
     else:

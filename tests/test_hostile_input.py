@@ -290,3 +290,48 @@ def test_a_worker_runs_its_tasks_as_the_acl_user_without_scan(celery_base: str, 
         refused = dlock_cli([url], "list")
         assert refused.returncode == 1
         assert refused.stderr.rstrip().endswith(f"ACL SETUSER dlock {acl_rules(operator=True)}")
+
+
+# -- 4. the operator command's table cannot be forged or reach the terminal's escapes -------
+
+EVIL_KEY = "evil\nforged-row  x  y\x1b[2J\x1b]0;pwned\x07\u202e"
+
+
+def test_list_and_show_escape_keys_and_holder_fields(single_urls: list[str]) -> None:
+    """A key with a newline, ESC sequences and a bidi override, and a holder whose host field
+    (written by something else into the lock store) holds ESC: ``dlock list`` prints one
+    row per lock, no ESC byte, the key escaped as Python writes it; ``--json`` is unchanged
+    JSON (on c53a04b the table printed them raw: a forged row, a cleared screen)."""
+    from tests.clients import client
+
+    url = single_urls[0]
+    forged = {
+        "token": "t" * 27,
+        "holder": "id\n2",
+        "host": "\x1b[31mhost",
+        "pid": 1,
+        "since": 0,
+        "fence": 5,
+        "task": "t\x1b[0m",
+    }
+    client(url).set("dlock:{other\x1b[1m}", json.dumps(forged), px=30_000)
+    with lock([url], EVIL_KEY, ttl=30):
+        table = dlock_cli([url], "list")
+        shown = dlock_cli([url], "show", EVIL_KEY)
+        forged_shown = dlock_cli([url], "show", "other\x1b[1m")
+        as_json = dlock_cli([url], "list", "--json")
+    for done in (table, shown, forged_shown, as_json):
+        assert done.returncode == 0, done.stderr
+        assert "\x1b" not in done.stdout + done.stderr
+        assert "\x07" not in done.stdout
+        assert "\u202e" not in done.stdout
+    lines = table.stdout.splitlines()
+    assert len(lines) == 4, lines  # "locks on ...", the header, two locks
+    assert lines[2].startswith("evil\\nforged-row  x  y\\x1b[2J\\x1b]0;pwned\\x07\\u202e  ")
+    assert "\\x1b[31mhost" in lines[3]
+    assert "id\\n2" in lines[3]
+    assert "key       evil\\nforged-row" in shown.stdout
+    assert "host      \\x1b[31mhost" in forged_shown.stdout
+    rows = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert sorted(r["key"] for r in rows) == sorted([EVIL_KEY, "other\x1b[1m"])
+    assert {r["host"] for r in rows if r["key"] != EVIL_KEY} == {"\x1b[31mhost"}
