@@ -225,6 +225,14 @@ def check_key(key: Any) -> str:
         )
     if not key:
         raise ConfigError("lock key is empty; give a name such as 'replicate' or 'meta:s:e'.")
+    surrogate = None if key.isascii() else next((c for c in key if "\ud800" <= c <= "\udfff"), None)
+    if surrogate is not None:
+        raise ConfigError(
+            f"lock key {key[:60]!r} holds a lone surrogate ({surrogate!r} at "
+            f"{key.index(surrogate)}), which "
+            "no lock store can encode; kombu's JSON turns a '\\ud800' escape into one. Clean "
+            "the value first (e.g. text.encode('utf-8', 'replace').decode())."
+        )
     if len(key) > MAX_KEY_LENGTH:
         raise ConfigError(
             f"lock key is {len(key)} characters, over the {MAX_KEY_LENGTH} limit; hash the "

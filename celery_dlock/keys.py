@@ -187,6 +187,37 @@ def _unsendable(
     )
 
 
+def encodable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def first_surrogate(text: str) -> str:
+    """The first lone surrogate in ``text`` and where, as ``'\\ud800' at 3``."""
+    for i, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            return f"{char!r} at {i}"
+    return "none"
+
+
+def _has_surrogate(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (or a str inside it, a dict's keys too) holds a lone surrogate."""
+    if isinstance(value, str):
+        return not value.isascii() and not encodable(value)
+    if depth > 20:
+        return False
+    if isinstance(value, Mapping):
+        return any(_has_surrogate(k, depth + 1) or _has_surrogate(v, depth + 1)
+                   for k, v in value.items())  # fmt: skip
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(_has_surrogate(v, depth + 1) for v in value)
+    return False
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
@@ -264,7 +295,29 @@ class KeyBuilder:
         self._build = self._make(lock_key)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        return self._build(args, kwargs)
+        key = self._build(args, kwargs)
+        if not key.isascii() and not encodable(key):
+            raise self._unencodable(args, kwargs, key)
+        return key
+
+    def _unencodable(self, args: Sequence[Any], kwargs: Mapping[str, Any], key: str) -> ConfigError:
+        """The error for a key holding a lone surrogate, naming the argument it came from."""
+        try:
+            named = list(self._lookup(args, kwargs).items())
+        except TypeError:
+            named = [(f"positional argument {i}", v) for i, v in enumerate(args)]
+            named += list(kwargs.items())
+        which = next(
+            (f"argument {name!r}" if not name.startswith("positional") else name
+             for name, value in named if _has_surrogate(value)),
+            "the lock_key callable's result",
+        )  # fmt: skip
+        return ConfigError(
+            f"task {self.task_name!r}: {which} holds a lone surrogate "
+            f"({first_surrogate(key)} of its key), which no lock store can encode; kombu's "
+            "JSON turns a '\\ud800' escape into one. Clean the value before sending it (e.g. "
+            "text.encode('utf-8', 'replace').decode()), or key on other arguments."
+        )
 
     def sent(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str | None

@@ -335,3 +335,52 @@ def test_list_and_show_escape_keys_and_holder_fields(single_urls: list[str]) -> 
     rows = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert sorted(r["key"] for r in rows) == sorted([EVIL_KEY, "other\x1b[1m"])
     assert {r["host"] for r in rows if r["key"] != EVIL_KEY} == {"\x1b[31mhost"}
+
+
+# -- 5. a lone surrogate is a library error, and costs the clean-up round nothing -----------
+
+
+def test_a_lone_surrogate_fails_the_task_with_a_config_error_naming_it(
+    wa: Any, worker: Worker, journal: Journal
+) -> None:
+    """kombu's JSON turns ``"\\ud800"`` into a lone surrogate: the task fails with a
+    ConfigError naming the argument (on c53a04b: a bare UnicodeEncodeError), and the worker's
+    clean-up thread logs no failed round."""
+    from celery_dlock import ConfigError as Refused
+
+    result = wa.collect.delay("\ud800", "entity")
+    with pytest.raises(Refused) as info:
+        result.get(timeout=20)
+    assert "task 'tests.worker_app.collect': argument 'source' holds a lone surrogate" in str(
+        info.value
+    )
+    assert "janitor round failed" not in worker.log()
+    assert wa.collect.delay("clean", "entity").get(timeout=20) == "clean:entity"
+    with pytest.raises(Refused, match=r"lone surrogate \('\\udc80' at 2\)"):
+        lock(wa.app, "ab\udc80", ttl=5).acquire()
+
+
+def test_one_unsendable_item_does_not_drop_the_rest_of_a_janitor_round(
+    single_urls: list[str],
+) -> None:
+    """Two voids due in one round, the first for a key no node can encode: the second still
+    lands (on c53a04b the first's exception ended the round and the second was dropped)."""
+    import time
+
+    from celery_dlock.redis.janitor import janitor
+    from celery_dlock.registry import manager_for
+    from tests.clients import client
+
+    manager = manager_for(single_urls)
+    head = '{"token":"janitor-test","holder":null,"fence":'
+    good = manager.redis_keys("janitor-good")[0]
+    client(single_urls[0]).set(good, head + "1}", px=30_000)
+    until = time.monotonic() + 30
+    bad = manager.redis_keys("janitor-\ud800")[0]
+    with janitor._cond:  # both pushed before the thread can take either
+        janitor.void(manager.nodes, bad, bad + ":void:x", head, until)
+        janitor.void(manager.nodes, good, good + ":void:x", head, until)
+    deadline = time.monotonic() + 10
+    while client(single_urls[0]).exists(good) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not client(single_urls[0]).exists(good), "the good item was dropped with the bad"
