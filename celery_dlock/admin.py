@@ -40,13 +40,18 @@ __all__ = ["CheckReport", "LockInfo", "check", "locks", "node_errors", "purge", 
 
 
 def locks(app_or_urls: Any, prefix: str = "") -> list[LockInfo]:
-    """Every lock held now whose key starts with ``prefix``, as a majority of nodes sees it.
+    """Every lock held now whose key starts with ``prefix``, as a majority of nodes sees it
+    (a key blocked by a value this library did not write too: its ``note`` says so).
 
     Raises :class:`~celery_dlock.LockUnavailable` when the nodes cannot be read.
     """
     if not isinstance(prefix, str):
         raise ConfigError(f"prefix must be a str, not {type(prefix).__name__} ({prefix!r}).")
-    return [info for info in backend_for(app_or_urls).locks(prefix) if info.holder is not None]
+    return [
+        info
+        for info in backend_for(app_or_urls).locks(prefix)
+        if info.holder is not None or info.note is not None
+    ]
 
 
 def show(app_or_urls: Any, key: str) -> LockInfo:

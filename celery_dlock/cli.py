@@ -131,6 +131,9 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
     _print_table(ctx, rows)
     if rows and _on_zookeeper(backend):
         ctx.obj.echo(f"ttl_left -: {NO_TTL}")
+    for row in rows:
+        if row.get("note"):
+            ctx.obj.echo(printable(f"{row['key']}: {row['note']}"))
 
 
 @dlock.command(name="show", cls=CeleryCommand)
@@ -147,7 +150,9 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         return
     zookeeper = _on_zookeeper(backend_for(_app(ctx)))
     if info.holder is None:
-        if zookeeper:  # tokens are zxids, shared by every key: none is kept per key
+        if info.note is not None:
+            ctx.obj.echo(printable(f"{key!r} is {info.note}"))
+        elif zookeeper:  # tokens are zxids, shared by every key: none is kept per key
             ctx.obj.echo(f"{key!r} is not held")
         elif info.fence is None:
             ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")
@@ -179,7 +184,7 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
         if as_json:
             ctx.obj.echo(json.dumps({"key": key, "released": False, "held": False}))
         else:
-            ctx.obj.echo(f"{key!r} is not held; nothing to release")
+            ctx.obj.echo(printable(f"{key!r} is {info.note or 'not held'}; nothing to release"))
         return
     _confirm(ctx, printable(f"Release {key!r}, held by {info.holder.describe()}?"), yes)
     # Only the acquisition that was shown: one taken since then is not released unasked.
@@ -206,7 +211,7 @@ def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
     """Force-release every lock whose key starts with PREFIX."""
     if not prefix:
         raise click.BadParameter("give a non-empty prefix (every key starts with '')", ctx)
-    held = admin.locks(_app(ctx), prefix)
+    held = [info for info in admin.locks(_app(ctx), prefix) if info.holder is not None]
     if not held:
         if as_json:
             ctx.obj.echo(json.dumps({"prefix": prefix, "released": []}))

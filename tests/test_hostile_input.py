@@ -9,6 +9,7 @@ ZooKeeper, ``celery worker`` processes, the ``celery dlock`` command).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -384,3 +385,127 @@ def test_one_unsendable_item_does_not_drop_the_rest_of_a_janitor_round(
     while client(single_urls[0]).exists(good) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not client(single_urls[0]).exists(good), "the good item was dropped with the bad"
+
+
+# -- 6. what is read back from the lock store is bounded ------------------------------------
+
+BIG = 128 * 1024 * 1024  # bytes of a value something else wrote under a lock key
+
+#: A child that tries the key (argv: url, key) and reports its peak RSS (KiB) and the error.
+CONTEND = """
+import json, resource, sys
+from celery_dlock import DLockError, lock
+try:
+    with lock([sys.argv[1]], sys.argv[2], wait=0, ttl=5):
+        error = None
+except DLockError as exc:
+    error = f"{type(exc).__name__}: {exc}"
+print(json.dumps([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, error]))
+"""
+#: A child that runs ``celery dlock show KEY`` (argv: url, key) and reports its peak RSS.
+SHOW = """
+import json, os, resource, subprocess, sys
+env = {**os.environ, "DLOCK_TEST_LOCK_URLS": sys.argv[1]}
+done = subprocess.run(
+    [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dlock", "show", sys.argv[2]],
+    env=env, capture_output=True, text=True, check=False,
+)
+print(json.dumps([resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, done.stdout,
+                  done.stderr]))
+"""
+
+
+def run_child(code: str, *args: str) -> list[Any]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=120, check=False, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result: list[Any] = json.loads(done.stdout)
+    return result
+
+
+@pytest.mark.local_redis
+def test_a_huge_value_under_a_lock_key_costs_a_contender_and_the_cli_little_memory() -> None:
+    """128 MB under a lock key (written by something else, with a ttl): a contender gets
+    LockContended naming it, and ``dlock show`` describes it, each with a peak RSS well under
+    the value's size (on c53a04b the contender read the value whole and, its transfer
+    outlasting the node timeout, got LockUnavailable; show read it whole)."""
+    with RedisServer() as server:
+        admin = redis_client(server)
+        key = "dlock:{huge}"
+        admin.set(key, '{"token":"x","holder":null,"fence":1}')
+        admin.setrange(key, BIG - 1, "!")
+        admin.pexpire(key, 120_000)
+        rss_kib, error = run_child(CONTEND, server.url, "huge")
+        shown_kib, out, err = run_child(SHOW, server.url, "huge")
+    assert error is not None
+    assert error.startswith(
+        f"LockContended: lock 'huge' is held by a value celery_dlock did not write ({BIG} bytes"
+    ), error
+    assert rss_kib * 1024 < BIG / 2, f"a contender peaked at {rss_kib} KiB"
+    assert f"'huge' is held by a value celery_dlock did not write ({BIG} bytes" in out, err
+    assert shown_kib * 1024 < BIG / 2, f"dlock show peaked at {shown_kib} KiB"
+
+
+def redis_client(server: RedisServer) -> Any:
+    import redis
+
+    return redis.Redis(port=server.port, socket_timeout=30)
+
+
+# -- 9. a value without expiry is named, and not spun on ------------------------------------
+
+
+def test_a_lock_value_without_expiry_is_named_and_not_spun_on(single_urls: list[str]) -> None:
+    """A value in the lock's format with no ttl (something else SET or PERSISTed it): the
+    contender's error says so and gives no retry_after; a waiter tries a few times, not in a
+    spin (on c53a04b: retry_after 0.0, a waiter retried every millisecond; ``dlock list``
+    showed ttl_left -0.001)."""
+    from celery_dlock import LockContended
+    from celery_dlock.holder import value_head
+    from tests.clients import client
+
+    url = single_urls[0]
+    store = client(url)
+    store.set("dlock:{forever}", value_head("someone-else") + "7}")
+    with pytest.raises(LockContended) as info:
+        lock([url], "forever", wait=0, ttl=5).acquire()
+    assert info.value.retry_after is None
+    assert "with no expiry: celery_dlock always sets one" in str(info.value)
+    before = store.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    with pytest.raises(LockContended):
+        lock([url], "forever", wait=1.0, ttl=5).acquire()
+    after = store.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert after - before < 10, f"{after - before} script calls in a 1 s wait: a spin"
+    listed = dlock_cli([url], "list")
+    shown = dlock_cli([url], "show", "forever")
+    assert "forever: no expiry: celery_dlock always sets one" in listed.stdout, listed.stdout
+    assert "-0.001" not in listed.stdout
+    assert "note      no expiry: celery_dlock always sets one" in shown.stdout, shown.stdout
+
+
+@pytest.mark.local_redis
+def test_a_user_granted_the_older_acl_line_still_takes_locks() -> None:
+    """Without ``+strlen +getrange`` (the line of 0.1.0) the scripts fall back to GET: locks
+    are taken, contended, inspected and released as before."""
+    import redis
+
+    from celery_dlock import LockContended
+    from celery_dlock.redis.diagnose import acl_rules
+    from celery_dlock.registry import manager_for
+
+    older = acl_rules().replace(" +strlen +getrange", "")
+    with RedisServer() as server:
+        redis.Redis(port=server.port).execute_command(
+            "ACL", "SETUSER", "old", "reset", "on", ">pw", "-@all", *older.split()
+        )
+        url = f"redis://old:pw@127.0.0.1:{server.port}/0"
+        with lock([url], "older", ttl=5) as lease:
+            with pytest.raises(LockContended, match="is held by a process on"):
+                lock([url], "older", wait=0, ttl=5).acquire()
+            info = manager_for([url]).inspect("older")
+            assert info.holder is not None
+            assert info.holder.fence == lease.token
+        assert manager_for([url]).inspect("older").holder is None

@@ -22,6 +22,8 @@ ACL_COMMANDS = (
     "eval",
     "blpop",
     "get",
+    "strlen",
+    "getrange",
     "set",
     "del",
     "exists",

@@ -290,6 +290,19 @@ class LockManager:
                 f"cannot lock {key!r}: {outcome.detail}", key=key, errors=outcome.errors
             )
         who = outcome.holder.describe() if outcome.holder else "contenders (no majority)"
+        if outcome.foreign is not None:
+            start, length = outcome.foreign
+            who = (
+                f"a value celery_dlock did not write ({length} bytes, starting "
+                f"{start[:40]!r}); something else writes keys under dlock_prefix: delete it, "
+                "or give celery_dlock a prefix of its own"
+            )
+        if outcome.no_expiry:
+            who += (
+                ", with no expiry: celery_dlock always sets one, so something else wrote or "
+                "persisted this value, and it stays until deleted (celery dlock release KEY, "
+                "or DEL)"
+            )
         return LockContended(
             f"lock {key!r} is held by {who}",
             key=key,

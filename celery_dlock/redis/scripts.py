@@ -12,6 +12,31 @@ Requires Redis 6.2+ (or Valkey): scripts call ``TIME`` before writing (effects r
 
 from __future__ import annotations
 
+#: The most bytes of a lock value a script sends back. This library's values are about 200
+#: bytes; a bigger one was written by something else, and reading it whole (a 256 MB value
+#: took 542 MB in each contender, and its transfer outlasted the node timeout) would let
+#: whoever can write the store exhaust the workers' memory. Scripts send the first
+#: MAX_VALUE bytes and the value's length.
+MAX_VALUE = 4096
+
+#: A Lua function both reading scripts open with: ``bounded(key)`` is the value's first
+#: MAX_VALUE bytes (or false when missing) and its length, at a cost that does not grow with
+#: the value (STRLEN, GETRANGE). A user granted the ACL line of an older version (no
+#: ``+strlen``) gets the value by GET, cut here: its transfer is bounded, not the server's copy.
+BOUNDED = """
+local function bounded(key)
+  local n = redis.pcall('STRLEN', key)
+  if type(n) == 'number' and n > MAX_VALUE then
+    return redis.call('GETRANGE', key, 0, MAX_VALUE - 1), n
+  end
+  local v = redis.call('GET', key)
+  if v then
+    return string.sub(v, 1, MAX_VALUE), #v
+  end
+  return false, 0
+end
+"""
+
 #: Take the lock if free and issue its fencing token.
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] this attempt's void marker (see VOID).
@@ -20,8 +45,9 @@ from __future__ import annotations
 #: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
 #: when the counter is missing (Redlock, where nodes' clocks differ and would force a
 #: write-back round on every acquisition).
-#: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms}`` when held by another,
-#: ``{2}`` when the attempt was voided before it arrived.
+#: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms, length}`` when held by
+#: another (the value's first MAX_VALUE bytes, and its length), ``{2}`` when the attempt was
+#: voided before it arrived.
 #:
 #: Taking over is allowed only from a value marked ``"queued":true`` for that task id: the
 #: lock a message holds while it waits passes to its execution without a gap, while a running
@@ -36,15 +62,15 @@ ACQUIRE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {2}
 end
-local cur = redis.call('GET', KEYS[1])
+local cur, size = bounded(KEYS[1])
 if cur then
   local mine = false
-  if ARGV[4] ~= '' then
+  if ARGV[4] ~= '' and size <= MAX_VALUE then
     local ok, v = pcall(cjson.decode, cur)
     mine = ok and type(v) == 'table' and v['queued'] == true and v['holder'] == ARGV[4]
   end
   if not mine then
-    return {0, cur, redis.call('PTTL', KEYS[1])}
+    return {0, cur, redis.call('PTTL', KEYS[1]), size}
   end
 end
 local last = redis.call('GET', KEYS[2])
@@ -283,10 +309,20 @@ return 0
 """
 
 #: Read a lock for inspection. KEYS[1] lock key, KEYS[2] fence counter key.
-#: Returns ``{value or false, pttl_ms, fence counter or false}``.
+#: Returns ``{value or false, pttl_ms, fence counter or false, length}``: the value's first
+#: MAX_VALUE bytes and its length (0 when missing); the counter, if longer than 32 bytes
+#: (not a number this library wrote), as false.
 INSPECT = """
-return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2])}
+local cur, n = bounded(KEYS[1])
+local fence = redis.call('GET', KEYS[2])
+if fence and #fence > 32 then
+  fence = false
+end
+return {cur, redis.call('PTTL', KEYS[1]), fence, n}
 """
+
+ACQUIRE = (BOUNDED + ACQUIRE).replace("MAX_VALUE", str(MAX_VALUE))
+INSPECT = (BOUNDED + INSPECT).replace("MAX_VALUE", str(MAX_VALUE))
 
 ALL = {
     "acquire": ACQUIRE,
