@@ -509,3 +509,34 @@ def test_a_user_granted_the_older_acl_line_still_takes_locks() -> None:
             assert info.holder is not None
             assert info.holder.fence == lease.token
         assert manager_for([url]).inspect("older").holder is None
+
+
+# -- 7. a fence counter near 2**53 (or 2**63) never gives a token that is negative or falls --
+
+
+@pytest.mark.parametrize(
+    "counter", [str(2**63 - 1), str(2**53 - 1), str(2**53 + 7), "-5", "nan", "inf", "x" * 100]
+)
+def test_a_counter_at_the_bound_refuses_rather_than_issue_a_falling_token(
+    single_urls: list[str], counter: str
+) -> None:
+    """On c53a04b a counter at 2**63 - 1 gave a negative token (``%d`` of 2**63), and one past
+    2**53 tokens that did not rise (doubles)."""
+    from celery_dlock import LockUnavailable
+    from tests.clients import client
+
+    url = single_urls[0]
+    client(url).set("dlock:{fenced}:fence", counter)
+    with pytest.raises(LockUnavailable) as info:
+        with lock([url], "fenced", ttl=5) as lease:
+            raise AssertionError(f"issued token {lease.token}")
+    assert f"its fencing counter dlock:{{fenced}}:fence holds {counter[:40].encode()!r}" in str(
+        info.value
+    )
+    assert "not a count below 9007199254740991 (2**53 - 1)" in str(info.value)
+    assert client(url).get("dlock:{fenced}") is None
+    client(url).set("dlock:{fenced}:fence", str(2**53 - 2))
+    with lock([url], "fenced", ttl=5) as lease:
+        assert lease.token == 2**53 - 1  # the last token there is, exact
+    with pytest.raises(LockUnavailable):
+        lock([url], "fenced", ttl=5).acquire()

@@ -140,7 +140,7 @@ def tally(replies: Sequence[Reply]) -> Tally:
             value = reply[1]
             length = int(reply[3]) if len(reply) > 3 else len(value)
             others.append((value, int(reply[2]), length))
-        else:  # voided: cannot happen to a reply we read, only to one we gave up on
+        else:  # voided ({2}), or a fence counter that cannot issue a token ({3})
             errors.append(i)
     return Tally(fences, others, errors)
 

@@ -18,6 +18,11 @@ from __future__ import annotations
 #: whoever can write the store exhaust the workers' memory. Scripts send the first
 #: MAX_VALUE bytes and the value's length.
 MAX_VALUE = 4096
+#: The highest fencing token issued, plus one: 2**53 - 1, the largest integer a Lua double
+#: (and a JSON number read by most languages) holds exactly. The server clock floor starts
+#: tokens near 1.8e15 (microseconds since 1970), so one acquisition per microsecond on average
+#: reaches it in about 230 years.
+MAX_TOKEN = 2**53 - 1
 
 #: A Lua function both reading scripts open with: ``bounded(key)`` is the value's first
 #: MAX_VALUE bytes (or false when missing) and its length, at a cost that does not grow with
@@ -47,7 +52,8 @@ end
 #: write-back round on every acquisition).
 #: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms, length}`` when held by
 #: another (the value's first MAX_VALUE bytes, and its length), ``{2}`` when the attempt was
-#: voided before it arrived.
+#: voided before it arrived, ``{3, counter}`` when the fence counter is not a count below
+#: MAX_TOKEN (its next token would not rise, or not be exact).
 #:
 #: Taking over is allowed only from a value marked ``"queued":true`` for that task id: the
 #: lock a message holds while it waits passes to its execution without a gap, while a running
@@ -56,7 +62,9 @@ end
 #: The counter is floored at the server's clock in microseconds, so tokens keep rising across a
 #: loss of the counter (expired, restart without data, restore of an older snapshot) as long
 #: as the key issued fewer than about one token per microsecond on average and the server
-#: clock did not step back. Tokens stay below 2**53, so Lua's doubles hold them exactly.
+#: clock did not step back. Tokens stay below MAX_TOKEN (2**53 - 1), so Lua's doubles hold
+#: them exactly: a counter at or past it (or not a number: something else wrote it) refuses
+#: the acquisition (code 3) rather than issue a token that is negative or does not rise.
 #: GET + SET PX is one command fewer than EXISTS + INCR + PEXPIRE.
 ACQUIRE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -76,7 +84,11 @@ end
 local last = redis.call('GET', KEYS[2])
 local fence = 0
 if last then
-  fence = tonumber(last) + 1
+  local n = tonumber(last)
+  if not (n and n >= 0 and n < MAX_TOKEN) then
+    return {3, string.sub(last, 1, 40)}
+  end
+  fence = n + 1
 end
 if not last or ARGV[5] == '1' then
   local t = redis.call('TIME')
@@ -288,7 +300,9 @@ if not cur or not string.find(cur, '"token":"' .. ARGV[1] .. '"', 1, true) then
 end
 redis.call('DEL', KEYS[1])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
+if last and last >= 0 and last < MAX_TOKEN then
+  redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
+end
 redis.call('DEL', KEYS[3])
 redis.call('RPUSH', KEYS[3], 'forced')
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
@@ -322,6 +336,8 @@ return {cur, redis.call('PTTL', KEYS[1]), fence, n}
 """
 
 ACQUIRE = (BOUNDED + ACQUIRE).replace("MAX_VALUE", str(MAX_VALUE))
+ACQUIRE = ACQUIRE.replace("MAX_TOKEN", str(MAX_TOKEN))
+FORCE_RELEASE = FORCE_RELEASE.replace("MAX_TOKEN", str(MAX_TOKEN))
 INSPECT = (BOUNDED + INSPECT).replace("MAX_VALUE", str(MAX_VALUE))
 
 ALL = {
