@@ -527,9 +527,8 @@ def test_a_counter_at_the_bound_refuses_rather_than_issue_a_falling_token(
 
     url = single_urls[0]
     client(url).set("dlock:{fenced}:fence", counter)
-    with pytest.raises(LockUnavailable) as info:
-        with lock([url], "fenced", ttl=5) as lease:
-            raise AssertionError(f"issued token {lease.token}")
+    with pytest.raises(LockUnavailable) as info, lock([url], "fenced", ttl=5) as lease:
+        raise AssertionError(f"issued token {lease.token}")
     assert f"its fencing counter dlock:{{fenced}}:fence holds {counter[:40].encode()!r}" in str(
         info.value
     )
