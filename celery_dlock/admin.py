@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 from celery.local import maybe_evaluate
 
-from celery_dlock.config import beat_settings, check_key, quorum
+from celery_dlock.config import beat_settings, check_key, quorum, tls_warnings
 from celery_dlock.errors import ConfigError
 from celery_dlock.holder import Holder, LockInfo
 from celery_dlock.registry import backend_for
@@ -102,6 +102,8 @@ class CheckReport:
     nodes: list[tuple[str, str | None]] = field(default_factory=list)
     #: One line per problem, each naming what to fix.
     problems: list[str] = field(default_factory=list)
+    #: What works but should not stay so (TLS without verification); not a problem for ``ok``.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -151,6 +153,7 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
+    report.warnings = tls_warnings(backend.endpoints())
     if reach:
         report.nodes = backend.check()
     else:

@@ -246,6 +246,8 @@ def check(ctx: click.Context, no_reach: bool) -> None:
         need = len(report.nodes) // 2 + 1
         verdict = "locks work" if report.quorum_reached else "locks are refused"
         ctx.obj.echo(f"{answered} of {len(report.nodes)} nodes answered, {need} needed: {verdict}")
+    for warning in report.warnings:
+        ctx.obj.echo(printable(f"warning: {warning}"), err=True)
     for problem in report.problems:
         ctx.obj.echo(printable(f"problem: {problem}"), err=True)
     if report.ok:

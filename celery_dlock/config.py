@@ -118,6 +118,38 @@ def secret_option(option: str) -> bool:
     return any(marker in option.lower() for marker in _SECRET_MARKERS)
 
 
+#: The values ``ssl_cert_reqs`` takes (redis-py's and kazoo's reading of them).
+CERT_REQS = ("required", "optional", "none")
+_FALSE = ("0", "f", "false", "n", "no", "off")
+
+
+def tls_warnings(urls: Sequence[str]) -> list[str]:
+    """One line per TLS URL whose options turn verification off (``ssl_cert_reqs=none``,
+    ``ssl_check_hostname=false``): such a connection is encrypted but not authenticated, so
+    whoever sits on the path can pose as the server, read the password and every lock."""
+    found: list[str] = []
+    for url in urls:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if not (scheme.startswith("rediss") or scheme == "zookeepers"):
+            continue
+        query = url.partition("?")[2].partition("#")[0]
+        options = {
+            name.lower(): value for name, _, value in (p.partition("=") for p in query.split("&"))
+        }
+        off = []
+        if options.get("ssl_cert_reqs", "").lower() == "none":
+            off.append("ssl_cert_reqs=none: the server's certificate and host name are not checked")
+        elif options.get("ssl_check_hostname", "").lower() in _FALSE:
+            off.append("ssl_check_hostname=false: the server's host name is not checked")
+        if off:
+            found.append(
+                f"{redact(url)}: TLS verification is off ({'; '.join(off)}), so anyone on the "
+                "network path can pose as the server and read the password and the locks; "
+                "give ssl_ca_certs=/path/to/ca.pem and drop the option"
+            )
+    return found
+
+
 def quorum(n: int) -> int:
     """Nodes that must agree: a strict majority."""
     return n // 2 + 1

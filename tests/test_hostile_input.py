@@ -539,3 +539,51 @@ def test_a_counter_at_the_bound_refuses_rather_than_issue_a_falling_token(
         assert lease.token == 2**53 - 1  # the last token there is, exact
     with pytest.raises(LockUnavailable):
         lock([url], "fenced", ttl=5).acquire()
+
+
+# -- 8. TLS without verification is said aloud; a misspelt ssl_cert_reqs is a ConfigError ---
+
+
+@pytest.mark.parametrize(("given", "meant"), [("requried", "required"), ("NONE", "none")])
+def test_a_misspelt_ssl_cert_reqs_is_a_config_error_naming_it(given: str, meant: str) -> None:
+    """On c53a04b: a RedisError from redis-py at the first connection."""
+    with pytest.raises(ConfigError) as info:
+        Settings(urls=(f"rediss://:pw@127.0.0.1:1/0?ssl_cert_reqs={given}",))
+    assert f"ssl_cert_reqs={given!r} is not one of required, optional, none" in str(info.value)
+    assert f"did you mean {meant!r}?" in str(info.value)
+    assert "pw" not in str(info.value).replace("password", "")
+
+
+@pytest.mark.local_redis
+def test_tls_without_verification_warns_at_worker_start_and_in_dlock_check(
+    celery_base: str, wa: Any
+) -> None:
+    """``ssl_cert_reqs=none`` works (no CA is checked) but the worker's start-up log and
+    ``dlock check`` say that verification is off (on c53a04b: not a word, and "ok")."""
+    from tests.tls import TlsProxy, make_certificates
+
+    certs = make_certificates()
+    with RedisServer() as server, TlsProxy(server.port, certs) as proxy:
+        url = (
+            f"rediss://127.0.0.1:{proxy.port}/0?ssl_cert_reqs=none"
+            f"&ssl_certfile={quote(certs.client_cert)}&ssl_keyfile={quote(certs.client_key)}"
+        )
+        checked = dlock_cli([url], "check")
+        env = {
+            "DLOCK_TEST_BROKER": with_db(celery_base, 10),
+            "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
+            "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
+            "DLOCK_TEST_LOCK_URLS": url,
+        }
+        journal = Journal(env["DLOCK_TEST_JOURNAL"])
+        journal.clear()
+        worker = Worker(env, journal, name="tls-none", concurrency=1).start()
+        try:
+            assert wa.drop_task.delay("over-tls").get(timeout=20) == "over-tls"
+        finally:
+            worker.stop()
+    said = "TLS verification is off (ssl_cert_reqs=none: the server's certificate and host name"
+    assert checked.returncode == 0, checked.stderr
+    assert said in checked.stderr
+    assert checked.stdout.rstrip().endswith("ok")
+    assert said in worker.log()

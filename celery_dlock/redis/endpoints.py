@@ -27,7 +27,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from redis.connection import Connection, parse_url
 
-from celery_dlock.config import PERCENT_ENCODE, misread_userinfo, redact, secret_option
+from celery_dlock.config import CERT_REQS, PERCENT_ENCODE, misread_userinfo, redact, secret_option
 from celery_dlock.errors import ConfigError
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -295,6 +295,15 @@ def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str
             f"{setting}: {redact(url)!r} has query option {unknown[0]!r}, which redis-py's "
             f"connections do not take (options are redis-py's: socket_timeout, ssl_ca_certs, "
             f"...).{hint}"
+        )
+    reqs = options.get("ssl_cert_reqs")
+    if isinstance(reqs, str) and reqs not in CERT_REQS:
+        close = difflib.get_close_matches(reqs.lower(), CERT_REQS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"{setting}: {redact(url)!r}: ssl_cert_reqs={reqs!r} is not one of "
+            f"{', '.join(CERT_REQS)}; {hint}'required' (the default) checks the server's "
+            "certificate."
         )
     for name, what in TLS_FILES.items():
         path = options.get(name)
