@@ -265,6 +265,13 @@ def check_key(key: Any) -> str:
             "no lock store can encode; kombu's JSON turns a '\\ud800' escape into one. Clean "
             "the value first (e.g. text.encode('utf-8', 'replace').decode())."
         )
+    if key.startswith("}"):
+        # Redis keys are prefix:{key}: a '}' right after the '{' makes an empty hash tag, so
+        # Redis Cluster would hash the lock's keys (lock, counter, signal) to different slots.
+        raise ConfigError(
+            f"lock key {key[:60]!r} starts with '}}', which would end its Redis Cluster hash "
+            "tag before it begins; start it with another character (e.g. 'k:' + key)."
+        )
     if len(key) > MAX_KEY_LENGTH:
         raise ConfigError(
             f"lock key is {len(key)} characters, over the {MAX_KEY_LENGTH} limit; hash the "

@@ -18,6 +18,9 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.crc import key_slot
 
 from celery_dlock import ConfigError, lock
 from celery_dlock.config import Settings, redact
@@ -587,3 +590,135 @@ def test_tls_without_verification_warns_at_worker_start_and_in_dlock_check(
     assert said in checked.stderr
     assert checked.stdout.rstrip().endswith("ok")
     assert said in worker.log()
+
+
+# -- the hostile-input suite: any argument, any password --------------------------------------
+
+#: Examples per property (hypothesis); each key example also takes a real lock on Redis.
+KEY_EXAMPLES = 300
+URL_EXAMPLES = 500
+
+#: Text from every Unicode category, lone surrogates (Cs) included.
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=40)
+#: Text made of what key formats use as separators, hash tags, globs, escapes, controls.
+SEPARATORS = st.text(st.sampled_from(list(":{}%*?[]\\/.~-_ \x00\n\r\t\x1b\x7f\u202e\ud800")))
+VALUES = st.one_of(st.none(), ANY_TEXT, SEPARATORS, st.sampled_from(["None", "True", "False"]))
+
+
+def hash_tag(redis_key: str) -> str:
+    """What Redis Cluster hashes: the text between the first '{' and the next '}' when not
+    empty, else the whole key."""
+    start = redis_key.find("{")
+    end = redis_key.find("}", start + 1) if start >= 0 else -1
+    return redis_key[start + 1 : end] if start >= 0 and end > start + 1 else redis_key
+
+
+def keyed(builder: Any, args: tuple[Any, ...]) -> str | ConfigError:
+    try:
+        return str(builder(args, {}))
+    except ConfigError as exc:
+        return exc
+
+
+def test_filled_keys_are_distinct_printable_and_valid_everywhere(single_urls: list[str]) -> None:
+    """For any two argument pairs of ``meta:{source}:{entity}`` (every Unicode category,
+    separators, braces, globs, controls, NUL, lone surrogates, "None"): distinct pairs fill
+    distinct keys; each key escapes to printable text (distinct for distinct keys), keeps its
+    lock's Redis keys in one Cluster slot under its own tag, makes a valid ZooKeeper node
+    name, and takes a real lock on Redis; or the pair is refused with a ConfigError naming
+    the argument that holds a lone surrogate."""
+    from celery_dlock.cli import printable
+    from celery_dlock.keys import KeyBuilder
+    from celery_dlock.registry import manager_for
+    from celery_dlock.zookeeper.nodes import key_name
+
+    def collect(source: Any, entity: Any) -> None: ...
+
+    builder = KeyBuilder("t", collect, "meta:{source}:{entity}")
+    manager = manager_for(single_urls)
+    counts = {"examples": 0, "refused": 0, "locked": 0}
+
+    @settings(max_examples=KEY_EXAMPLES, deadline=None, database=None)
+    @given(first=st.tuples(VALUES, VALUES), second=st.tuples(VALUES, VALUES))
+    def check(first: tuple[Any, Any], second: tuple[Any, Any]) -> None:
+        counts["examples"] += 1
+        one, two = keyed(builder, first), keyed(builder, second)
+        for pair, key in ((first, one), (second, two)):
+            if isinstance(key, ConfigError):
+                named = "source" if any("\ud800" <= c <= "\udfff" for c in pair[0] or "") else (
+                    "entity"
+                )
+                assert f"argument {named!r} holds a lone surrogate" in str(key)
+                counts["refused"] += 1
+                continue
+            key.encode()  # valid UTF-8 for any store
+            shown = printable(key)
+            assert shown.isprintable()
+            redis_keys = manager.redis_keys(key)
+            tags = {hash_tag(k) for k in redis_keys} | {hash_tag(redis_keys[0] + ":void:x")}
+            assert tags == {key if len(key) <= 200 else key}, (key, tags)  # its own tag
+            assert len({key_slot(k.encode()) for k in redis_keys}) == 1
+            name = key_name(key)
+            assert name.isascii() and "/" not in name and name not in (".", "..")
+        if isinstance(one, str) and isinstance(two, str):
+            assert (one == two) == (first == second), (first, second, one, two)
+            assert (printable(one) == printable(two)) == (one == two)
+            with lock(single_urls, one, ttl=5):  # a real round trip
+                counts["locked"] += 1
+
+    check()
+    assert counts["examples"] >= KEY_EXAMPLES, counts
+    assert counts["refused"] > 0, counts  # lone surrogates were tried
+    assert counts["locked"] > KEY_EXAMPLES // 2, counts
+
+
+def test_a_one_megabyte_argument_gives_a_short_distinct_key() -> None:
+    from celery_dlock.keys import KeyBuilder
+
+    def collect(source: Any, entity: Any) -> None: ...
+
+    builder = KeyBuilder("t", collect, "meta:{source}:{entity}")
+    big, bigger = "x" * 2**20, "x" * 2**20 + "y"
+    one, two = builder((big, "e"), {}), builder((bigger, "e"), {})
+    assert one != two
+    assert len(one) < 200
+    assert len(two) < 200
+
+
+@pytest.mark.parametrize("key", ["}x", "}"])
+def test_a_key_that_would_empty_its_hash_tag_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match="starts with '}'"):
+        lock(["redis://127.0.0.1:1/0"], key).acquire()
+
+
+#: A password: a marker each end (no URL here holds 'Q' or 'Z') around any printable ASCII,
+#: every reserved character included.
+PASSWORDS = st.text(
+    st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="QZ"),
+    min_size=1,
+    max_size=12,
+).map(lambda text: f"Q{text}Z")
+
+
+def test_no_password_is_ever_printed_in_any_url_form() -> None:
+    """For any password, raw or percent-encoded, in every scheme and place: ``redact`` never
+    shows it whole, and the settings either take the URL or refuse it without showing it."""
+
+    tried: list[str] = []
+
+    @settings(max_examples=URL_EXAMPLES, deadline=None, database=None)
+    @given(secret=PASSWORDS, encoded=st.booleans())
+    def check(secret: str, encoded: bool) -> None:
+        tried.append(secret)
+        written = quote(secret, safe="") if encoded else secret
+        for url in url_forms(written):
+            assert secret not in redact(url), url
+            assert written not in redact(url), url
+            try:
+                Settings(urls=(url,))
+            except ConfigError as exc:
+                assert secret not in str(exc), (url, str(exc))
+                assert written not in str(exc), (url, str(exc))
+
+    check()
+    assert len(tried) >= URL_EXAMPLES  # each in 11 URL forms
