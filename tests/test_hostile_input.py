@@ -645,8 +645,10 @@ def test_filled_keys_are_distinct_printable_and_valid_everywhere(single_urls: li
         one, two = keyed(builder, first), keyed(builder, second)
         for pair, key in ((first, one), (second, two)):
             if isinstance(key, ConfigError):
-                named = "source" if any("\ud800" <= c <= "\udfff" for c in pair[0] or "") else (
-                    "entity"
+                named = (
+                    "source"
+                    if any("\ud800" <= c <= "\udfff" for c in pair[0] or "")
+                    else ("entity")
                 )
                 assert f"argument {named!r} holds a lone surrogate" in str(key)
                 counts["refused"] += 1
