@@ -83,7 +83,8 @@ def test_redact_hides_a_password_with_any_reserved_character(char: str) -> None:
 #: Tries each URL (argv[1], JSON) on an unreachable node, in a child process: the attempts
 #: leave retries behind (a void owed to a silent node), which must not outlive the test.
 ATTEMPT = """
-import json, sys
+import json, logging, sys
+logging.basicConfig(level=logging.DEBUG)  # every library log line goes to stderr
 from celery_dlock import DLockError, lock
 from celery_dlock.config import Settings
 found = {}
@@ -555,6 +556,21 @@ def test_a_misspelt_ssl_cert_reqs_is_a_config_error_naming_it(given: str, meant:
     assert f"ssl_cert_reqs={given!r} is not one of required, optional, none" in str(info.value)
     assert f"did you mean {meant!r}?" in str(info.value)
     assert "pw" not in str(info.value).replace("password", "")
+
+
+def test_tls_warnings_cover_every_tls_scheme_and_option() -> None:
+    from celery_dlock.config import tls_warnings
+
+    off = [
+        "rediss://:pw@h:6380/0?ssl_cert_reqs=none",
+        "rediss+sentinel://h:26379/m/0?ssl_check_hostname=false",
+        "rediss+cluster://h:7000?ssl_check_hostname=0",
+        "zookeepers://h:2281/x?ssl_cert_reqs=NONE",
+    ]
+    on = ["rediss://h:6380/0", "redis://h/0?ssl_cert_reqs=none", "zookeepers://h/x?timeout=5"]
+    assert len(tls_warnings(off)) == len(off)
+    assert tls_warnings(on) == []
+    assert "pw" not in " ".join(tls_warnings(off))
 
 
 @pytest.mark.local_redis
