@@ -153,7 +153,7 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
-    report.warnings = tls_warnings(backend.endpoints())
+    report.warnings = tls_warnings(backend.settings.urls)
     if reach:
         report.nodes = backend.check()
     else:

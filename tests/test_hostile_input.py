@@ -573,6 +573,21 @@ def test_tls_warnings_cover_every_tls_scheme_and_option() -> None:
     assert "pw" not in " ".join(tls_warnings(off))
 
 
+def test_dlock_check_warns_of_a_zookeeper_url_without_verification() -> None:
+    """The check reads the settings' URLs (a ZooKeeper backend's endpoints drop the query)."""
+    from celery import Celery
+
+    from celery_dlock import admin
+
+    app = Celery("zk-tls", set_as_current=False)
+    app.conf.dlock_urls = ["zookeepers://u:pw@127.0.0.1:1/x?ssl_cert_reqs=none"]
+    report = admin.check(app, reach=False)
+    assert report.ok
+    assert [w.split(": TLS verification is off")[0] for w in report.warnings] == [
+        "zookeepers://u:***@127.0.0.1:1/x?ssl_cert_reqs=none"
+    ]
+
+
 @pytest.mark.local_redis
 def test_tls_without_verification_warns_at_worker_start_and_in_dlock_check(
     celery_base: str, wa: Any
