@@ -15,7 +15,8 @@ same from Python.
 ``release`` does not merely delete the key: it marks the holder's acquisition revoked, so its
 next renewal reports the lease lost (and a task using ``on_lock_lost="raise"`` is stopped),
 and moves the fencing counter on, so the revoked holder's token is stale at once. Passwords in
-URLs are never printed.
+URLs are never printed, and keys and holder fields read from the lock store are printed with
+control characters escaped (:func:`printable`): the store is shared, its contents untrusted.
 """
 
 from __future__ import annotations

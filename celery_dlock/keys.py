@@ -11,7 +11,9 @@ arbitrary object could differ between two calls that mean the same thing.
 
 * ``None`` — the task name and every argument;
 * a sequence of argument names — the task name and those arguments;
-* a format template over argument names, ``"meta:{source}:{entity}"`` — exactly that text;
+* a format template over argument names, ``"meta:{source}:{entity}"`` — that text, each value
+  filled in with the characters that could run into the next part escaped (:class:`Template`),
+  so that two different calls never share a key;
 * a callable ``(args, kwargs) -> str`` — exactly what it returns.
 
 Keys longer than :data:`LONG_KEY` characters are shortened to a readable prefix plus a SHA-256
