@@ -488,6 +488,9 @@ def test_a_lock_value_without_expiry_is_named_and_not_spun_on(single_urls: list[
     assert "forever: no expiry: celery_dlock always sets one" in listed.stdout, listed.stdout
     assert "-0.001" not in listed.stdout
     assert "note      no expiry: celery_dlock always sets one" in shown.stdout, shown.stdout
+    released = dlock_cli([url], "release", "forever", "--yes")  # what the error advises
+    assert released.returncode == 0, released.stderr
+    assert store.get("dlock:{forever}") is None
 
 
 @pytest.mark.local_redis
