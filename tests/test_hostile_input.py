@@ -157,9 +157,10 @@ def test_a_raw_slash_password_is_never_printed_by_a_worker_its_results_or_the_cl
     }
     journal = Journal(env["DLOCK_TEST_JOURNAL"])
     journal.clear()
-    worker = Worker(env, journal, name="hostile-url", concurrency=1).start()
+    # A queue of its own: the module's other worker (the ``worker`` fixture) must not take it.
+    worker = Worker(env, journal, name="hostile-url", concurrency=1, queue="hostile-url").start()
     try:
-        result = wa.drop_task.delay("leak-check")
+        result = wa.drop_task.apply_async(("leak-check",), queue="hostile-url")
         result.get(timeout=30, propagate=False)
         assert result.state == "FAILURE"
         record = wa.app.backend.client.get(f"celery-task-meta-{result.id}")
@@ -276,12 +277,15 @@ def test_a_worker_runs_its_tasks_as_the_acl_user_without_scan(celery_base: str, 
         }
         journal = Journal(env["DLOCK_TEST_JOURNAL"])
         journal.clear()
-        worker = Worker(env, journal, name="acl-worker", concurrency=3).start()
+        queue = "acl-worker"  # its own: the module's other worker must not take these
+        worker = Worker(env, journal, name="acl-worker", concurrency=3, queue=queue).start()
         try:
-            held = wa.drop_task.delay("acl-drop", 8.0)  # held while its duplicate comes
+            held = wa.drop_task.apply_async(("acl-drop", 8.0), queue=queue)
             journal.wait_for("start", timeout=20, id=held.id)
-            dropped = wa.drop_task.delay("acl-drop", 8.0).get(timeout=20)
-            waiting = [wa.wait_task.delay("acl-wait", n, 0.3) for n in range(2)]
+            dropped = wa.drop_task.apply_async(("acl-drop", 8.0), queue=queue).get(timeout=20)
+            waiting = [
+                wa.wait_task.apply_async(("acl-wait", n, 0.3), queue=queue) for n in range(2)
+            ]
             assert sorted(r.get(timeout=30) for r in waiting) == [0, 1]
             assert held.get(timeout=20) == "acl-drop"
             log = worker.log()
@@ -620,9 +624,10 @@ def test_tls_without_verification_warns_at_worker_start_and_in_dlock_check(
         }
         journal = Journal(env["DLOCK_TEST_JOURNAL"])
         journal.clear()
-        worker = Worker(env, journal, name="tls-none", concurrency=1).start()
+        worker = Worker(env, journal, name="tls-none", concurrency=1, queue="tls-none").start()
         try:
-            assert wa.drop_task.delay("over-tls").get(timeout=20) == "over-tls"
+            sent = wa.drop_task.apply_async(("over-tls",), queue="tls-none")
+            assert sent.get(timeout=20) == "over-tls"
         finally:
             worker.stop()
     said = "TLS verification is off (ssl_cert_reqs=none: the server's certificate and host name"
