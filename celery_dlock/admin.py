@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 from celery.local import maybe_evaluate
 
-from celery_dlock.config import beat_settings, check_key, quorum
+from celery_dlock.config import beat_settings, check_key, quorum, tls_warnings
 from celery_dlock.errors import ConfigError
 from celery_dlock.holder import Holder, LockInfo
 from celery_dlock.registry import backend_for
@@ -40,13 +40,18 @@ __all__ = ["CheckReport", "LockInfo", "check", "locks", "node_errors", "purge", 
 
 
 def locks(app_or_urls: Any, prefix: str = "") -> list[LockInfo]:
-    """Every lock held now whose key starts with ``prefix``, as a majority of nodes sees it.
+    """Every lock held now whose key starts with ``prefix``, as a majority of nodes sees it
+    (a key blocked by a value this library did not write too: its ``note`` says so).
 
     Raises :class:`~celery_dlock.LockUnavailable` when the nodes cannot be read.
     """
     if not isinstance(prefix, str):
         raise ConfigError(f"prefix must be a str, not {type(prefix).__name__} ({prefix!r}).")
-    return [info for info in backend_for(app_or_urls).locks(prefix) if info.holder is not None]
+    return [
+        info
+        for info in backend_for(app_or_urls).locks(prefix)
+        if info.holder is not None or info.note is not None
+    ]
 
 
 def show(app_or_urls: Any, key: str) -> LockInfo:
@@ -97,6 +102,8 @@ class CheckReport:
     nodes: list[tuple[str, str | None]] = field(default_factory=list)
     #: One line per problem, each naming what to fix.
     problems: list[str] = field(default_factory=list)
+    #: What works but should not stay so (TLS without verification); not a problem for ``ok``.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -146,6 +153,7 @@ def check(app: Any, *, reach: bool = True) -> CheckReport:
     except ConfigError as exc:
         report.problems.append(str(exc))
         return report
+    report.warnings = tls_warnings(backend.settings.urls)
     if reach:
         try:
             report.nodes = backend.check()

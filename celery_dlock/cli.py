@@ -16,7 +16,8 @@ a file), ``check`` when it found a problem.
 ``release`` does not merely delete the key: it marks the holder's acquisition revoked, so its
 next renewal reports the lease lost (and a task using ``on_lock_lost="raise"`` is stopped),
 and moves the fencing counter on, so the revoked holder's token is stale at once. Passwords in
-URLs are never printed.
+URLs are never printed, and keys and holder fields read from the lock store are printed with
+control characters escaped (:func:`printable`): the store is shared, its contents untrusted.
 """
 
 from __future__ import annotations
@@ -49,9 +50,27 @@ def _plain_errors(command: F) -> F:
         try:
             return command(*args, **kwargs)
         except (LockUnavailable, ConfigError) as exc:
-            raise click.ClickException(str(exc)) from exc
+            raise click.ClickException(printable(str(exc))) from exc
 
     return run  # type: ignore[return-value]
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (newline, ESC, ...), other
+    non-printable ones (bidi overrides, lone surrogates) and the backslash escaped as Python
+    writes them (``\\n``, ``\\x1b``, ``\\u202e``, ``\\\\``), so a key or holder field read from the
+    lock store cannot forge a table row or send the terminal escape sequences. Two different
+    texts stay different."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else _escaped(c) for c in text)
+
+
+def _escaped(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    text = repr(char)[1:-1]
+    return text if text.startswith("\\") else f"\\u{ord(char):04x}"
 
 
 def _app(ctx: click.Context) -> Any:
@@ -73,7 +92,7 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
         ctx.obj.echo("no locks held")
         return
     columns = ("key", "task", "task_id", "host", "pid", "age", "ttl_left", "fence")
-    shown = [[("-" if r[c] is None else str(r[c])) for c in columns] for r in rows]
+    shown = [[("-" if r[c] is None else printable(str(r[c]))) for c in columns] for r in rows]
     widths = [max(len(c), *(len(s[i]) for s in shown)) for i, c in enumerate(columns)]
     ctx.obj.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     for line in shown:
@@ -121,10 +140,13 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
             ctx.obj.echo(json.dumps(row))
         return
     backend = backend_for(_app(ctx))
-    ctx.obj.echo(f"locks on {_where(backend)}:")
+    ctx.obj.echo(f"locks on {printable(_where(backend))}:")
     _print_table(ctx, rows)
     if rows and _on_zookeeper(backend):
         ctx.obj.echo(f"ttl_left -: {NO_TTL}")
+    for row in rows:
+        if row.get("note"):
+            ctx.obj.echo(printable(f"{row['key']}: {row['note']}"))
 
 
 @dlock.command(name="show", cls=CeleryCommand)
@@ -143,7 +165,9 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         return
     zookeeper = _on_zookeeper(backend_for(_app(ctx)))
     if info.holder is None:
-        if zookeeper:  # no counter is kept for a free key (its parent node goes)
+        if info.note is not None:
+            ctx.obj.echo(printable(f"{key!r} is {info.note}"))
+        elif zookeeper:  # no counter is kept for a free key (its parent node goes)
             ctx.obj.echo(f"{key!r} is not held")
         elif info.fence is None:
             ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")
@@ -154,7 +178,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         if name == "ttl_left" and value is None and zookeeper:
             ctx.obj.echo(f"{name:9} - ({NO_TTL})")
         elif name != "held":
-            ctx.obj.echo(f"{name:9} {'-' if value is None else value}")
+            ctx.obj.echo(f"{name:9} {'-' if value is None else printable(str(value))}")
 
 
 def _confirm(ctx: click.Context, question: str, yes: bool) -> None:
@@ -175,9 +199,9 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
         if as_json:
             ctx.obj.echo(json.dumps({"key": key, "released": False, "held": False}))
         else:
-            ctx.obj.echo(f"{key!r} is not held; nothing to release")
+            ctx.obj.echo(printable(f"{key!r} is {info.note or 'not held'}; nothing to release"))
         return
-    _confirm(ctx, f"Release {key!r}, held by {info.holder.describe()}?", yes)
+    _confirm(ctx, printable(f"Release {key!r}, held by {info.holder.describe()}?"), yes)
     # Only the acquisition that was shown: one taken since then is not released unasked.
     released = admin.release(_app(ctx), key, holder=info.holder)
     if as_json:
@@ -202,7 +226,7 @@ def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
     """Force-release every lock whose key starts with PREFIX."""
     if not prefix:
         raise click.BadParameter("give a non-empty prefix (every key starts with '')", ctx)
-    held = admin.locks(_app(ctx), prefix)
+    held = [info for info in admin.locks(_app(ctx), prefix) if info.holder is not None]
     if not held:
         if as_json:
             ctx.obj.echo(json.dumps({"prefix": prefix, "released": []}))
@@ -231,14 +255,16 @@ def check(ctx: click.Context, no_reach: bool) -> None:
         ctx.obj.echo(f"{len(report.tasks)} SingletonTask(s): {', '.join(report.tasks)}")
     for url, error in report.nodes:
         state = "not contacted" if no_reach else ("ok" if error is None else error)
-        ctx.obj.echo(f"lock node {url}: {state}")
+        ctx.obj.echo(printable(f"lock node {url}: {state}"))
     if len(report.nodes) > 1 and not no_reach:
         answered = sum(1 for _, error in report.nodes if error is None)
         need = len(report.nodes) // 2 + 1
         verdict = "locks work" if report.quorum_reached else "locks are refused"
         ctx.obj.echo(f"{answered} of {len(report.nodes)} nodes answered, {need} needed: {verdict}")
+    for warning in report.warnings:
+        ctx.obj.echo(printable(f"warning: {warning}"), err=True)
     for problem in report.problems:
-        ctx.obj.echo(f"problem: {problem}", err=True)
+        ctx.obj.echo(printable(f"problem: {problem}"), err=True)
     if report.ok:
         ctx.obj.echo("ok")
     else:

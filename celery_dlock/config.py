@@ -20,11 +20,12 @@ from __future__ import annotations
 import difflib
 import importlib
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import urlencode
 
 from celery_dlock.errors import ConfigError
 
@@ -45,29 +46,108 @@ class DLockConfigWarning(UserWarning):
     """A setting works but is probably not what was meant (e.g. an even number of nodes)."""
 
 
-def redact(url: str) -> str:
-    """The URL with every password (user info, ``*password*`` query options) as ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, hosts = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        if any(_secret(name) for name, _ in pairs):
-            query = urlencode([(n, "***" if _secret(n) else v) for n, v in pairs], safe="*/")
-    if netloc == parts.netloc and query == parts.query:
+def redact(url: Any) -> str:
+    """The URL with every password (user info, ``*password*`` query options) as ``***``.
+
+    Read from the raw text, not through ``urlsplit``, so that a password holding a raw ``/``,
+    ``?``, ``#``, ``@`` or ``:`` (which URL parsers split elsewhere) is hidden too: everything
+    after the user name's ``:`` up to the *last* ``@`` goes, and a secret query option's value
+    runs to the next ``&name=`` (a ``#`` does not end it). Errs towards hiding: an ``@`` in a
+    query value hides what stands before it.
+    """
+    if not isinstance(url, str):
+        return "<not a URL>"
+    hidden = [False] * len(url)
+    start = url.find("://")
+    start = 0 if start < 0 else start + 3
+    at = url.rfind("@", start)
+    if at >= 0:
+        colon = url.find(":", start, at)
+        if colon >= 0:
+            for i in range(colon + 1, at):
+                hidden[i] = True
+    for match in _OPTION.finditer(url, start):
+        if secret_option(match.group(1)):
+            end = _NEXT_OPTION.search(url, match.end())
+            for i in range(match.end(), end.start() if end else len(url)):
+                hidden[i] = True
+    if not any(hidden):
         return url
-    return parts._replace(netloc=netloc, query=query).geturl()
+    out: list[str] = []
+    for i, char in enumerate(url):
+        if not hidden[i]:
+            out.append(char)
+        elif i == 0 or not hidden[i - 1]:
+            out.append("***")
+    return "".join(out)
 
 
-def _secret(option: str) -> bool:
+#: A query option's name, as it opens the option; and the start of the next one.
+_OPTION = re.compile(r"[?&]([A-Za-z_][A-Za-z0-9_.-]*)=")
+_NEXT_OPTION = re.compile(r"&[A-Za-z_][A-Za-z0-9_.-]*=")
+
+
+#: What a URL with a password that URL parsers cannot read is told (see :func:`misread_userinfo`).
+PERCENT_ENCODE = (
+    "percent-encode '/', '?', '#' and '@' in the user name and password ('/' as %2F, '?' as "
+    "%3F, '#' as %23, '@' as %40; urllib.parse.quote(password, safe='') does it)"
+)
+
+
+def misread_userinfo(url: str) -> bool:
+    """Whether URL parsers would end ``url``'s user info early: an ``@`` stands in what they
+    read as the path or fragment (or a query piece that is no ``name=value``), which means a
+    raw ``/``, ``#`` or ``?`` in the password. Such a URL cannot authenticate, and the pieces
+    a parser makes of it (host, path, database) hold parts of the password."""
+    rest = url.partition("://")[2] if "://" in url else url
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    if "@" not in tail:
+        return False
+    if url.lower().startswith("unix:"):
+        # unix://[user:password@]/path: the path may hold an '@'; user info ends with one.
+        return bool(netloc) and not netloc.endswith("@")
+    before_fragment, _, fragment = tail.partition("#")
+    path, _, query = before_fragment.partition("?")
+    piece = query.partition("@")[0].rpartition("&")[2]  # the option an '@' stands in
+    return "@" in path or "@" in fragment or ("@" in query and "=" not in piece)
+
+
+def secret_option(option: str) -> bool:
+    """Whether a URL query option holds a secret (a password, token, ...)."""
     return any(marker in option.lower() for marker in _SECRET_MARKERS)
+
+
+#: The values ``ssl_cert_reqs`` takes (redis-py's and kazoo's reading of them).
+CERT_REQS = ("required", "optional", "none")
+_FALSE = ("0", "f", "false", "n", "no", "off")
+
+
+def tls_warnings(urls: Sequence[str]) -> list[str]:
+    """One line per TLS URL whose options turn verification off (``ssl_cert_reqs=none``,
+    ``ssl_check_hostname=false``): such a connection is encrypted but not authenticated, so
+    whoever sits on the path can pose as the server, read the password and every lock."""
+    found: list[str] = []
+    for url in urls:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if not (scheme.startswith("rediss") or scheme == "zookeepers"):
+            continue
+        query = url.partition("?")[2].partition("#")[0]
+        options = {
+            name.lower(): value for name, _, value in (p.partition("=") for p in query.split("&"))
+        }
+        off = []
+        if options.get("ssl_cert_reqs", "").lower() == "none":
+            off.append("ssl_cert_reqs=none: the server's certificate and host name are not checked")
+        elif options.get("ssl_check_hostname", "").lower() in _FALSE:
+            off.append("ssl_check_hostname=false: the server's host name is not checked")
+        if off:
+            found.append(
+                f"{redact(url)}: TLS verification is off ({'; '.join(off)}), so anyone on the "
+                "network path can pose as the server and read the password and the locks; "
+                "give ssl_ca_certs=/path/to/ca.pem and drop the option"
+            )
+    return found
 
 
 def quorum(n: int) -> int:
@@ -177,6 +257,21 @@ def check_key(key: Any) -> str:
         )
     if not key:
         raise ConfigError("lock key is empty; give a name such as 'replicate' or 'meta:s:e'.")
+    surrogate = None if key.isascii() else next((c for c in key if "\ud800" <= c <= "\udfff"), None)
+    if surrogate is not None:
+        raise ConfigError(
+            f"lock key {key[:60]!r} holds a lone surrogate ({surrogate!r} at "
+            f"{key.index(surrogate)}), which "
+            "no lock store can encode; kombu's JSON turns a '\\ud800' escape into one. Clean "
+            "the value first (e.g. text.encode('utf-8', 'replace').decode())."
+        )
+    if key.startswith("}"):
+        # Redis keys are prefix:{key}: a '}' right after the '{' makes an empty hash tag, so
+        # Redis Cluster would hash the lock's keys (lock, counter, signal) to different slots.
+        raise ConfigError(
+            f"lock key {key[:60]!r} starts with '}}', which would end its Redis Cluster hash "
+            "tag before it begins; start it with another character (e.g. 'k:' + key)."
+        )
     if len(key) > MAX_KEY_LENGTH:
         raise ConfigError(
             f"lock key is {len(key)} characters, over the {MAX_KEY_LENGTH} limit; hash the "

@@ -197,6 +197,9 @@ class LockInfo:
     holder: Holder | None  # None when nobody holds the key
     ttl_left: float | None  # seconds until the key expires, None when not held
     fence: int | None  # the key's fencing counter (the last token handed out); None: none yet
+    #: What else the store shows that this library did not write: a value it cannot read
+    #: (the key is blocked all the same), or a value without expiry. None when all is its own.
+    note: str | None = None
 
     @property
     def held(self) -> bool:
@@ -222,7 +225,7 @@ class LockInfo:
             "age": round(now - holder.since, 3) if holder else None,
             "ttl_left": None if self.ttl_left is None else round(self.ttl_left, 3),
             "fence": holder.fence if holder else self.fence,
-        }
+        } | ({"note": self.note} if self.note is not None else {})
 
 
 # Pickled under the module that first defined it (see celery_dlock/redlock.py), so that a

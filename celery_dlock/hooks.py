@@ -205,6 +205,8 @@ def say_where_locks_are(sender: Any = None, **_: Any) -> None:
         return
     if not report.tasks:
         return  # no SingletonTask here: nothing of ours to say
+    for warning in report.warnings:
+        log_start.warning("celery_dlock: %s.", warning)
     urls = ", ".join(url for url, _ in report.nodes)
     if report.ok:
         log_start.info("celery_dlock: %d singleton task(s); locks on %s", len(report.tasks), urls)

@@ -11,7 +11,9 @@ arbitrary object could differ between two calls that mean the same thing.
 
 * ``None`` — the task name and every argument;
 * a sequence of argument names — the task name and those arguments;
-* a format template over argument names, ``"meta:{source}:{entity}"`` — exactly that text;
+* a format template over argument names, ``"meta:{source}:{entity}"`` — that text, each value
+  filled in with the characters that could run into the next part escaped (:class:`Template`),
+  so that two different calls never share a key;
 * a callable ``(args, kwargs) -> str`` — exactly what it returns.
 
 Keys longer than :data:`LONG_KEY` characters are shortened to a readable prefix plus a SHA-256
@@ -36,6 +38,7 @@ import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from kombu.serialization import dumps, loads
 
@@ -186,9 +189,93 @@ def _unsendable(
     )
 
 
+def encodable(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def first_surrogate(text: str) -> str:
+    """The first lone surrogate in ``text`` and where, as ``'\\ud800' at 3``."""
+    for i, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            return f"{char!r} at {i}"
+    return "none"
+
+
+def _has_surrogate(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (or a str inside it, a dict's keys too) holds a lone surrogate."""
+    if isinstance(value, str):
+        return not value.isascii() and not encodable(value)
+    if depth > 20:
+        return False
+    if isinstance(value, Mapping):
+        return any(_has_surrogate(k, depth + 1) or _has_surrogate(v, depth + 1)
+                   for k, v in value.items())  # fmt: skip
+    if isinstance(value, list | tuple | set | frozenset):
+        return any(_has_surrogate(v, depth + 1) for v in value)
+    return False
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+#: Escaped in every value a template fills in: the escape character, and the braces of a
+#: Redis Cluster hash tag (a value must not end or open the key's tag).
+ALWAYS_ESCAPED = "%{}"
+#: String values that read as a constant's text: encoded whole, so that ``None`` and
+#: ``"None"`` fill in different keys.
+_CONSTANT_TEXTS = frozenset({"None", "True", "False"})
+
+
+def _escapes(chars: str) -> dict[int, str]:
+    return {ord(c): quote(c, safe="") for c in chars}
+
+
+class Template:
+    """A ``lock_key`` template whose filling is injective in the values filled in.
+
+    Each value's text has ``%`` (the escape), ``{``, ``}`` and the first character of the
+    literal text that follows its field percent-encoded (``"acme:eu"`` in
+    ``"meta:{source}:{entity}"`` is ``acme%3Aeu``), so a value cannot run into the next part:
+    ``("acme:eu", "invoice-7")`` and ``("acme", "eu:invoice-7")`` fill different keys. A value
+    without those characters is written as it always was. A str that reads ``None``, ``True``
+    or ``False`` is encoded whole (``%4E%6F%6E%65``), so it differs from the constant.
+    Numbers and their decimal strings (``5``, ``"5"``) still fill the same text.
+    """
+
+    def __init__(self, parsed: Sequence[tuple[str, str | None, str | None, str | None]]) -> None:
+        formatter = string.Formatter()
+        self._formatter = formatter
+        self._parts: list[tuple[str, str | None, str, str | None, dict[int, str]]] = []
+        for i, (literal, field, spec, conversion) in enumerate(parsed):
+            following = parsed[i + 1][0] if i + 1 < len(parsed) else ""
+            table = _escapes(ALWAYS_ESCAPED + following[:1])
+            self._parts.append((literal, field, spec or "", conversion, table))
+
+    def fill(self, values: Mapping[str, Any]) -> str:
+        out: list[str] = []
+        for literal, field, spec, conversion, table in self._parts:
+            out.append(literal)
+            if field is None:
+                continue
+            if field in values:
+                value = values[field]
+            else:
+                value = self._formatter.get_field(field, (), values)[0]
+            if conversion is not None:
+                value = self._formatter.convert_field(value, conversion)
+            text = value if type(value) is str and not spec else format(value, spec)
+            if type(value) is str and text in _CONSTANT_TEXTS:
+                out.append("".join(f"%{ord(c):02X}" for c in text))
+            else:
+                out.append(text.translate(table))
+        return "".join(out)
 
 
 class KeyBuilder:
@@ -210,7 +297,29 @@ class KeyBuilder:
         self._build = self._make(lock_key)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        return self._build(args, kwargs)
+        key = self._build(args, kwargs)
+        if not key.isascii() and not encodable(key):
+            raise self._unencodable(args, kwargs, key)
+        return key
+
+    def _unencodable(self, args: Sequence[Any], kwargs: Mapping[str, Any], key: str) -> ConfigError:
+        """The error for a key holding a lone surrogate, naming the argument it came from."""
+        try:
+            named = list(self._lookup(args, kwargs).items())
+        except TypeError:
+            named = [(f"positional argument {i}", v) for i, v in enumerate(args)]
+            named += list(kwargs.items())
+        which = next(
+            (f"argument {name!r}" if not name.startswith("positional") else name
+             for name, value in named if _has_surrogate(value)),
+            "the lock_key callable's result",
+        )  # fmt: skip
+        return ConfigError(
+            f"task {self.task_name!r}: {which} holds a lone surrogate "
+            f"({first_surrogate(key)} of its key), which no lock store can encode; kombu's "
+            "JSON turns a '\\ud800' escape into one. Clean the value before sending it (e.g. "
+            "text.encode('utf-8', 'replace').decode()), or key on other arguments."
+        )
 
     def sent(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], serializer: str | None
@@ -261,7 +370,7 @@ class KeyBuilder:
         except ValueError as exc:
             raise ConfigError(f"{where} {template!r} is not a valid template: {exc}.") from None
         fields = []
-        for _, field, _, _ in parsed:
+        for i, (_, field, _, _) in enumerate(parsed):
             if field is None:
                 continue
             name = field.split(".", 1)[0].split("[", 1)[0]
@@ -269,6 +378,14 @@ class KeyBuilder:
                 raise ConfigError(
                     f"{where} {template!r} must name arguments, e.g. '{{source}}', not "
                     f"'{{{field}}}'."
+                )
+            following = parsed[i + 1] if i + 1 < len(parsed) else None
+            if following is not None and not following[0] and following[1] is not None:
+                raise ConfigError(
+                    f"{where} {template!r} puts '{{{field}}}' and '{{{following[1]}}}' side by "
+                    "side: two different calls could fill in one key (('ab', 'c') and "
+                    f"('a', 'bc')); put a separator between them, e.g. '{{{field}}}:"
+                    f"{{{following[1]}}}'."
                 )
             fields.append(name)
         self._check_names(fields, where)
@@ -280,6 +397,7 @@ class KeyBuilder:
                 f"would share one lock. Write lock_key=['{template}'] or '{{{template}}}' to "
                 "key on that argument."
             )
+        self._template = Template(parsed)
         return fields
 
     def _simple(self) -> tuple[list[str], dict[str, Any]] | None:
@@ -348,7 +466,7 @@ class KeyBuilder:
         self, template: str, fields: list[str], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> str:
         arguments = self._lookup(args, kwargs)
-        return shorten(template.format_map({name: arguments.get(name) for name in fields}))
+        return shorten(self._template.fill({name: arguments.get(name) for name in fields}))
 
     def _call(self, fn: KeyFunction, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         key = fn(args, kwargs)

@@ -366,7 +366,9 @@ def test_the_documented_acl_line_works_on_a_cluster(
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "topologies.md").read_text()
     assert f"ACL SETUSER dlock on >PASSWORD -@all {acl_rules(cluster=True)}\n" in docs
-    seed = set_cluster_user(cluster, "dlock", acl_rules(cluster=True))
+    admin_rules = acl_rules(cluster=True, operator=True)
+    assert f"ACL SETUSER dlock-admin on >PASSWORD -@all {admin_rules}\n" in docs
+    seed = set_cluster_user(cluster, "dlock", admin_rules)  # exercise() lists the keys too
     exercise([seed], "acl-cluster", ttl=1.0)  # acquire, renew, wait and wake, list, release
 
     with lock([seed], "acl-cli", ttl=10):

@@ -13,6 +13,11 @@ from celery_dlock.redis.inspection import holder_of
 from celery_dlock.redis.transport import CoolingDown
 
 
+def with_length(raw: bytes, pttl: int) -> tuple[bytes, int, int]:
+    """An acquire reply's (value, pttl, length) for a value sent whole."""
+    return raw, pttl, len(raw)
+
+
 def value(head: str, fence: int) -> bytes:
     """A lock value as a node stores it: the head the client sent plus that node's fence."""
     return f"{head}{fence}}}".encode()
@@ -44,7 +49,7 @@ def test_identity_of_a_foreign_value_is_the_raw_value() -> None:
 def test_refusal_too_few_answers_is_unavailable() -> None:
     errors = [("redis://a", "ConnectionError: refused"), ("redis://b", "TimeoutError: slow")]
     head = value_head("t")
-    refusal = decisions.refusal([(value(head, 3), 900)], errors, (2,), nodes=3, quorum=2)
+    refusal = decisions.refusal([with_length(value(head, 3), 900)], errors, (2,), nodes=3, quorum=2)
     assert refusal.unavailable
     assert not refusal.split
     assert refusal.holder is None
@@ -62,7 +67,7 @@ def test_refusal_errors_and_no_holder_seen_is_unavailable_even_with_a_quorum_of_
 
 def test_refusal_held_by_one_acquisition_reports_its_highest_fence_and_soonest_expiry() -> None:
     head = value_head("task-9")
-    others = [(value(head, 41), 1500), (value(head, 42), 1200)]
+    others = [with_length(value(head, 41), 1500), with_length(value(head, 42), 1200)]
     refusal = decisions.refusal(others, [], (0, 1, 2), nodes=3, quorum=2)
     assert not refusal.unavailable
     assert not refusal.split
@@ -77,7 +82,7 @@ def test_refusal_queued_lock_being_taken_over_groups_by_task_id() -> None:
     # one task, together a majority.
     queued = value_head("task-5", queued=True)
     running = value_head("task-5")
-    others = [(value(queued, 10), 800), (value(running, 11), 30000)]
+    others = [with_length(value(queued, 10), 800), with_length(value(running, 11), 30000)]
     refusal = decisions.refusal(others, [], (0, 1, 2), nodes=3, quorum=2)
     assert refusal.holder is not None
     assert refusal.holder.task_id == "task-5"
@@ -88,25 +93,37 @@ def test_refusal_queued_lock_being_taken_over_groups_by_task_id() -> None:
 
 
 def test_refusal_foreign_value_on_a_majority_is_held_by_nobody_we_know() -> None:
-    others = [(b"legacy", 5000), (b"legacy", 4000)]
+    others = [(b"legacy", 5000, 6), (b"legacy", 4000, 6)]
     refusal = decisions.refusal(others, [], (0, 1), nodes=3, quorum=2)
     assert refusal.detail == "held"
     assert refusal.holder is None
     assert refusal.retry_after == 4.0
+    assert refusal.foreign == (b"legacy", 6)
+
+
+def test_refusal_an_oversized_value_is_foreign_even_if_its_start_parses() -> None:
+    """The script sends a long value's start only: never read as this library's."""
+    start = value(value_head("t"), 1)
+    refusal = decisions.refusal([(start, 5000, 10**8)], [], (0,), nodes=1, quorum=1)
+    assert refusal.holder is None
+    assert refusal.foreign == (start, 10**8)
 
 
 def test_refusal_contenders_without_a_majority_is_a_split() -> None:
-    others = [(value(value_head(f"t{i}"), i), 1000) for i in range(3)]
+    others = [with_length(value(value_head(f"t{i}"), i), 1000) for i in range(3)]
     refusal = decisions.refusal(others, [], (0, 1, 2), nodes=5, quorum=3)
     assert refusal.split
     assert refusal.holder is None
     assert refusal.detail == "contended"
 
 
-def test_refusal_negative_pttl_gives_no_negative_retry_after() -> None:
+def test_refusal_a_value_without_expiry_gives_no_retry_after_to_spin_on() -> None:
+    """PTTL -1 (no expiry; issue 31 item 9): no retry_after (it was 0.0, a waiter spun on it),
+    and the refusal says the value has no expiry."""
     head = value_head("t")
-    refusal = decisions.refusal([(value(head, 1), -1)], [], (0,), nodes=1, quorum=1)
-    assert refusal.retry_after == 0.0
+    refusal = decisions.refusal([with_length(value(head, 1), -1)], [], (0,), nodes=1, quorum=1)
+    assert refusal.retry_after is None
+    assert refusal.no_expiry
 
 
 # -- tally -----------------------------------------------------------------------------------
@@ -116,13 +133,13 @@ def test_tally_sorts_replies_by_what_each_node_said() -> None:
     replies = [
         [1, b"17"],
         RedisTimeoutError("slow"),
-        [0, b"someone", b"2500"],
+        [0, b"someone", b"2500", 7],
         [2],
         [1, 18],
     ]
     tally = decisions.tally(replies)
     assert tally.fences == {0: 17, 4: 18}
-    assert tally.others == [(b"someone", 2500)]
+    assert tally.others == [(b"someone", 2500, 7)]
     assert tally.errors == [1, 3]
 
 

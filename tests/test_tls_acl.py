@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 USER = "locker"
 PASSWORD = "hunter2-not-for-logs"
 DOCS_LINE = f"ACL SETUSER dlock on >PASSWORD -@all {acl_rules('dlock')}"
+OPERATOR_LINE = f"ACL SETUSER dlock-admin on >PASSWORD -@all {acl_rules('dlock', operator=True)}"
 
 
 def set_user(server: RedisServer, user: str, rules: str) -> None:
@@ -68,8 +69,8 @@ def site() -> Iterator[Site]:
     with redis_servers(3) as servers:
         proxies = [TlsProxy(s.port, certs) for s in servers]
         try:
-            for server in servers:
-                set_user(server, USER, acl_rules())
+            for server in servers:  # the operator's line: exercise() lists the keys too
+                set_user(server, USER, acl_rules(operator=True))
             yield Site(certs, servers, proxies)
         finally:
             for proxy in proxies:
@@ -267,8 +268,9 @@ def test_acl_misconfigurations_say_who_lacks_what_and_how_to_grant_it(
     assert got.endswith(grant.format(user="nowait"))
 
     noscan = manager_for([tls.replace(f"{USER}:", "noscan:")])
-    with pytest.raises(LockUnavailable, match="no permissions to run the 'scan' command"):
+    with pytest.raises(LockUnavailable, match="no permissions to run the 'scan' command") as info:
         noscan.locks()
+    assert str(info.value).endswith(f"ACL SETUSER noscan {acl_rules(operator=True)}")
 
 
 def test_missing_tls_files_are_config_errors(site: Site) -> None:
@@ -329,4 +331,6 @@ def test_decrypted_bytes_waiting_in_tls_make_an_idle_connection_stale(site: Site
 def test_docs_show_the_tested_acl_line() -> None:
     text = (ROOT / "docs" / "topologies.md").read_text()
     assert DOCS_LINE in text
+    assert OPERATOR_LINE in text
+    assert "+scan" not in DOCS_LINE
     assert all(f"+{command}" in DOCS_LINE for command in ACL_COMMANDS)

@@ -34,9 +34,10 @@ class Identity(NamedTuple):
     raw: bytes | None  # the value itself, for a value this library did not write
 
 
-def identity(value: bytes) -> Identity:
-    """A lock value parsed, with what identifies its holder."""
-    holder = parse_value(value)
+def identity(value: bytes, length: int | None = None) -> Identity:
+    """A lock value parsed, with what identifies its holder. ``length`` is the value's whole
+    length when the script sent only its start: such a value is never this library's."""
+    holder = None if length is not None and length > len(value) else parse_value(value)
     if holder is None:
         return Identity(None, None, None, value)
     return Identity(holder, holder.nonce, holder.task_id, None)
@@ -63,10 +64,15 @@ class Refusal:
     errors: tuple[tuple[str, str], ...]
     detail: str
     answered: tuple[int, ...] = ()  # indices of the nodes that answered
+    #: The holding value when this library did not write it: its start, and its length.
+    foreign: tuple[bytes, int] | None = None
+    #: The holding value has no expiry (this library always sets one): something else wrote
+    #: or persisted it, and it stays until deleted.
+    no_expiry: bool = False
 
 
 def refusal(
-    others: Sequence[tuple[bytes, int]],
+    others: Sequence[tuple[bytes, int, int]],
     errors: Sequence[tuple[str, str]],
     answered: tuple[int, ...],
     nodes: int,
@@ -74,7 +80,7 @@ def refusal(
 ) -> Refusal:
     """Why an attempt that took the key on fewer than ``quorum`` of ``nodes`` failed.
 
-    ``others`` are ``(value, pttl)`` of the nodes where someone else's value was found,
+    ``others`` are ``(value, pttl, length)`` of the nodes where someone else's value was found,
     ``errors`` ``(node, error)`` of the nodes that gave no usable answer, ``answered`` the
     indices of the nodes that answered.
     """
@@ -85,19 +91,29 @@ def refusal(
     # Values of one acquisition differ between nodes only in the fence counter each node
     # appended, so the highest fence among them is the real token. Without a majority nobody
     # holds the key: the values are contenders' partial attempts, about to be undone (a split).
-    found = [(identity(value), pttl) for value, pttl in others]
+    found = [(identity(value, length), pttl, length) for value, pttl, length in others]
     for key_of in _GROUPINGS:
-        groups: dict[Any, list[tuple[Holder | None, int]]] = {}
-        for ident, pttl in found:
+        groups: dict[Any, list[tuple[Identity, int, int]]] = {}
+        for ident, pttl, length in found:
             group = key_of(ident)
             if group is not None:
-                groups.setdefault(group, []).append((ident.holder, pttl))
+                groups.setdefault(group, []).append((ident, pttl, length))
         top = next((g for g in groups.values() if len(g) >= quorum), None)
         if top is not None:
-            holders = [h for h, _ in top if h is not None]
+            holders = [i.holder for i, _, _ in top if i.holder is not None]
             holder = max(holders, key=lambda h: h.fence) if holders else None
-            retry_after = max(0, min(pttl for _, pttl in top)) / 1000.0
-            return Refusal(False, holder, retry_after, False, tuple(errors), "held", answered)
+            foreign = None
+            if holder is None:
+                ident, _, length = top[0]
+                foreign = (ident.raw or b"", length)
+            # PTTL -1: no expiry. Waiting for it would spin (nothing ever expires), so no
+            # retry_after: a waiter sleeps its ttl between tries, woken by a release.
+            no_expiry = any(pttl < 0 for _, pttl, _ in top)
+            retry_after = None if no_expiry else min(pttl for _, pttl, _ in top) / 1000.0
+            return Refusal(
+                False, holder, retry_after, False, tuple(errors), "held", answered, foreign,
+                no_expiry,
+            )  # fmt: skip
     return Refusal(False, None, None, True, tuple(errors), "contended", answered)
 
 
@@ -105,7 +121,7 @@ class Tally(NamedTuple):
     """The acquire script's replies, sorted by what each node said."""
 
     fences: dict[int, int]  # node index -> the fencing token it issued, where it took the key
-    others: list[tuple[bytes, int]]  # (value, pttl) where someone else holds the key
+    others: list[tuple[bytes, int, int]]  # (value, pttl, length) where another holds the key
     errors: list[int]  # node indices without a usable answer, in node order
 
 
@@ -113,7 +129,7 @@ def tally(replies: Sequence[Reply]) -> Tally:
     """Sort acquire replies: ``{1, fence}`` took the key, ``{0, value, pttl}`` held by another,
     an exception or ``{2}`` (voided) no usable answer."""
     fences: dict[int, int] = {}
-    others: list[tuple[bytes, int]] = []
+    others: list[tuple[bytes, int, int]] = []
     errors: list[int] = []
     for i, reply in enumerate(replies):
         if isinstance(reply, BaseException):
@@ -121,8 +137,10 @@ def tally(replies: Sequence[Reply]) -> Tally:
         elif reply[0] == 1:
             fences[i] = int(reply[1])
         elif reply[0] == 0:
-            others.append((reply[1], int(reply[2])))
-        else:  # voided: cannot happen to a reply we read, only to one we gave up on
+            value = reply[1]
+            length = int(reply[3]) if len(reply) > 3 else len(value)
+            others.append((value, int(reply[2]), length))
+        else:  # voided ({2}), or a fence counter that cannot issue a token ({3})
             errors.append(i)
     return Tally(fences, others, errors)
 

@@ -14,15 +14,16 @@ from redis.sentinel import MasterNotFoundError
 if TYPE_CHECKING:
     from celery_dlock.redis.nodes import Node
 
-#: Every command a lock user runs: the scripts by SHA (and by source after a ``SCRIPT FLUSH``),
-#: the blocking wait, the operator listing (SCAN), and each command the Lua scripts in
+#: Every command a worker (or any process that takes locks) runs: the scripts by SHA (and by
+#: source after a ``SCRIPT FLUSH``), the blocking wait, and each command the Lua scripts in
 #: :mod:`celery_dlock.redis.scripts` call (Redis checks those against the user's ACL too).
 ACL_COMMANDS = (
     "evalsha",
     "eval",
     "blpop",
-    "scan",
     "get",
+    "strlen",
+    "getrange",
     "set",
     "del",
     "exists",
@@ -32,16 +33,25 @@ ACL_COMMANDS = (
     "time",
 )
 
+#: What an operator's user needs on top: ``celery dlock list`` and ``purge`` (and the compat
+#: layers' ``clear_locks``) find the keys with SCAN. Redis does not check SCAN against the
+#: user's key patterns: it lists every key name of the database, so workers do without it.
+OPERATOR_ACL_COMMANDS = ("scan",)
 
 #: What a Redis Cluster user needs on top: redis-py's ``RedisCluster`` reads the slot map
 #: (``CLUSTER SLOTS``) and the command table (``COMMAND``) when it starts.
 CLUSTER_ACL_COMMANDS = ("cluster|slots", "command")
 
 
-def acl_rules(prefix: str = "dlock", *, cluster: bool = False) -> str:
+def acl_rules(prefix: str = "dlock", *, cluster: bool = False, operator: bool = False) -> str:
     """The ACL rules that let a user take locks under ``prefix`` (the ``dlock_prefix``), on a
-    Redis Cluster with ``cluster=True``."""
-    commands = ACL_COMMANDS + (CLUSTER_ACL_COMMANDS if cluster else ())
+    Redis Cluster with ``cluster=True``; with ``operator=True`` also list and purge them (the
+    operator command), which needs SCAN, and SCAN sees every key name of the database."""
+    commands = (
+        ACL_COMMANDS
+        + (OPERATOR_ACL_COMMANDS if operator else ())
+        + (CLUSTER_ACL_COMMANDS if cluster else ())
+    )
     return " ".join([f"~{prefix}:*", *(f"+{command}" for command in commands)])
 
 
@@ -139,7 +149,9 @@ def _permission(text: str, node: Node | None) -> str:
         user = node.endpoint.options.get("username") or "default"
         prefix = node.prefix
         cluster = node.endpoint.kind == "cluster"
+    operator = "'scan'" in text  # only listing and purging scan: the operator's line
+    rules = acl_rules(prefix, cluster=cluster, operator=operator)
     return (
         f"ACL user {user!r} may not run a command or use a key that celery_dlock needs "
-        f"({text}); grant them with: ACL SETUSER {user} {acl_rules(prefix, cluster=cluster)}"
+        f"({text}); grant them with: ACL SETUSER {user} {rules}"
     )

@@ -20,13 +20,14 @@ import difflib
 import functools
 import inspect
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from redis.connection import Connection, parse_url
 
-from celery_dlock.config import redact
+from celery_dlock.config import CERT_REQS, PERCENT_ENCODE, misread_userinfo, redact, secret_option
 from celery_dlock.errors import ConfigError
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -157,6 +158,11 @@ def parse(url: Any, setting: str = "dlock_urls") -> Endpoint:
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise ConfigError(f"{setting}: {shown!r} has scheme {parts.scheme!r}; {FIX}.")
+    if misread_userinfo(url):
+        raise ConfigError(
+            f"{setting}: {shown!r} is not user:password@host as URL parsers read it (an '@' "
+            f"comes after a '/', '?' or '#'); {PERCENT_ENCODE}."
+        )
     if scheme in PLAIN_SCHEMES:
         return _plain(url, parts, scheme, setting, shown)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
@@ -259,6 +265,15 @@ def _host_port(text: str, default: int, setting: str, shown: str) -> tuple[str, 
     return host, int(port)
 
 
+def _split_secret(url: str, option: str) -> bool:
+    """Whether ``option`` (an unknown one) is a query piece without ``=`` after a secret
+    option: most likely the rest of a password that held a raw ``&``, not to be shown."""
+    bare = re.search(rf"&{re.escape(option)}(?:&|#|$)", url)
+    return bare is not None and any(
+        secret_option(name) for name in re.findall(r"[?&]([^=&#]+)=", url[: bare.start()])
+    )
+
+
 def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str) -> dict[str, Any]:
     """redis-py's own reading of the URL (options, credentials, TLS class)."""
     if raw_query:
@@ -269,6 +284,11 @@ def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str
         raise ConfigError(f"{setting}: {redact(url)!r}: {exc}") from None
     known = _connection_options(options.get("connection_class", Connection))
     unknown = sorted(k for k in options if k not in known and k != "connection_class")
+    if unknown and _split_secret(url, unknown[0]):
+        raise ConfigError(
+            f"{setting}: {redact(url)!r}: a password option is followed by a piece without "
+            "'=': a raw '&' in a password ends it; percent-encode '&' as %26 (and '#' as %23)."
+        )
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -276,6 +296,15 @@ def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str
             f"{setting}: {redact(url)!r} has query option {unknown[0]!r}, which redis-py's "
             f"connections do not take (options are redis-py's: socket_timeout, ssl_ca_certs, "
             f"...).{hint}"
+        )
+    reqs = options.get("ssl_cert_reqs")
+    if isinstance(reqs, str) and reqs not in CERT_REQS:
+        close = difflib.get_close_matches(reqs.lower(), CERT_REQS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"{setting}: {redact(url)!r}: ssl_cert_reqs={reqs!r} is not one of "
+            f"{', '.join(CERT_REQS)}; {hint}'required' (the default) checks the server's "
+            "certificate."
         )
     for name, what in TLS_FILES.items():
         path = options.get(name)

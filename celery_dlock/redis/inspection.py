@@ -76,9 +76,19 @@ def read_key(nodes: RedisNodes, key: str) -> list[Any]:
     return answered
 
 
+def _parsed(reply: Sequence[Any]) -> Holder | None:
+    """The holder an inspect reply shows; None for a value this library did not write (one
+    longer than the script sent back never is)."""
+    value = reply[0]
+    if not value or (len(reply) > 3 and int(reply[3]) > len(value)):
+        return None
+    return parse_value(value)
+
+
 def holder_of(answered: Sequence[Any], quorum: int) -> Holder | None:
-    """The acquisition a quorum of the inspect replies ``(value, pttl, fence)`` shows, or None."""
-    holders = [(parse_value(r[0]), r[2]) for r in answered if r[0]]
+    """The acquisition a quorum of the inspect replies ``(value, pttl, fence, length)``
+    shows, or None."""
+    holders = [(_parsed(r), r[2]) for r in answered if r[0]]
     by_nonce = Counter(h.nonce for h, _ in holders if h is not None)
     if not by_nonce:
         return None
@@ -90,10 +100,41 @@ def holder_of(answered: Sequence[Any], quorum: int) -> Holder | None:
     # Each node's value carries its own proposal; the lease's token (the highest of the
     # granting nodes') was written back to their counters. When the node whose value
     # carried it does not answer, a counter still shows it.
-    counters = [int(c) for _, c in mine if c is not None]
-    if counters and max(counters) > holder.fence:
-        holder = dataclasses.replace(holder, fence=max(counters))
+    counters = [_counter(c) for _, c in mine]
+    known = [c for c in counters if c is not None]
+    if known and max(known) > holder.fence:
+        holder = dataclasses.replace(holder, fence=max(known))
     return holder
+
+
+def _counter(raw: Any) -> int | None:
+    """A fence counter as read; None when missing or not a number (not this library's)."""
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None
+
+
+#: What a value without expiry means (this library always sets one).
+NO_EXPIRY = (
+    "no expiry: celery_dlock always sets one, so something else wrote or persisted this "
+    "value; it blocks the key until deleted"
+)
+
+
+def _foreign(answered: Sequence[Any], quorum: int) -> str | None:
+    """A note for a value a quorum holds that this library did not write, else None."""
+    found = [r for r in answered if r[0] and _parsed(r) is None]
+    if len(found) < quorum:
+        return None
+    first = found[0]
+    length = int(first[3]) if len(first) > 3 else len(first[0])
+    note = (
+        f"held by a value celery_dlock did not write ({length} bytes, starting "
+        f"{bytes(first[0][:40])!r}); something else writes keys under dlock_prefix: delete "
+        "it, or give celery_dlock a prefix of its own"
+    )
+    return note + (f"; {NO_EXPIRY}" if any(int(r[1]) < 0 for r in found) else "")
 
 
 def holder(nodes: RedisNodes, key: str) -> Holder | None:
@@ -106,12 +147,14 @@ def inspect(nodes: RedisNodes, key: str) -> LockInfo:
     """The key's holder, time left and fencing counter, as a majority of nodes sees them."""
     key = check_key(key)
     answered = read_key(nodes, key)
-    fences = [int(r[2]) for r in answered if r[2] is not None]
+    fences = [c for c in (_counter(r[2]) for r in answered) if c is not None]
     fence = max(fences) if fences else None
     found = holder_of(answered, nodes.quorum)
     if found is None:
-        return LockInfo(key, None, None, fence)
-    left = [int(r[1]) for r in answered if r[0] and parse_value(r[0]) == found]
+        return LockInfo(key, None, None, fence, _foreign(answered, nodes.quorum))
+    left = [int(r[1]) for r in answered if r[0] and _parsed(r) == found]
+    if any(pttl < 0 for pttl in left):
+        return LockInfo(key, found, None, fence, NO_EXPIRY)
     return LockInfo(key, found, min(left) / 1000.0 if left else None, fence)
 
 

@@ -178,43 +178,54 @@ class Janitor:
     def _serve(self, due: list[_Item]) -> None:
         failed_nodes: set[int] = set()
         retry: list[_Item] = []
-        for item in due:
-            now = time.monotonic()
-            if now > item.until + LATE_LIMIT:
-                if item.name != "void":
-                    log.warning(
-                        "gave up releasing %s on %s: silent for %g s past its expiry",
-                        item.keys[0], item.node.shown, LATE_LIMIT,
+        try:
+            for item in due:
+                try:
+                    self._serve_one(item, failed_nodes, retry)
+                except Exception:  # one bad item (a key no node can take) costs only itself
+                    log.exception(
+                        "dropped a %s of %r on %s: it cannot be sent", item.name,
+                        item.keys[0], item.node.shown,
                     )  # fmt: skip
-                continue
-            if id(item.node) in failed_nodes:
-                retry.append(item)  # that node just failed: do not pay its timeout again
-                continue
-            # A marker must outlive any late command: the key's own expiry, or a full ttl
-            # from now when we are past it (a node resuming runs what it had received).
-            args = item.args
-            if item.name in _MARKING:
-                marker = max(item.until - now, item.ttl, 0.001)
-                args = (args[0], max(1, round(marker * 1000)), *args[2:])
-            reply = run_script([item.node], item.name, item.keys, args, item.node.timeout)[0]
-            if isinstance(reply, BaseException):
-                failed_nodes.add(id(item.node))
-                item.failures += 1
-                if item.failures == 1 and item.name != "void":
-                    log.warning(
-                        "release of %s did not reach %s (%s); retrying until it lands, it "
-                        "expires there within %.3g s unless the node runs a stale command",
-                        item.keys[0], item.node.shown, reply, max(0.0, item.until - now),
-                    )  # fmt: skip
-                retry.append(item)
-            elif reply == 1:
-                what = "voided a late acquisition" if item.name == "void" else "released"
-                log.info("%s of %s on %s", what, item.keys[0], item.node.shown)
-        with self._cond:
-            for item in retry:
-                item.due = time.monotonic() + item.delay
-                item.delay = min(item.delay * 2, BACKOFF[1])
-                heapq.heappush(self._heap, item)
+        finally:
+            with self._cond:
+                for item in retry:
+                    item.due = time.monotonic() + item.delay
+                    item.delay = min(item.delay * 2, BACKOFF[1])
+                    heapq.heappush(self._heap, item)
+
+    def _serve_one(self, item: _Item, failed_nodes: set[int], retry: list[_Item]) -> None:
+        now = time.monotonic()
+        if now > item.until + LATE_LIMIT:
+            if item.name != "void":
+                log.warning(
+                    "gave up releasing %s on %s: silent for %g s past its expiry",
+                    item.keys[0], item.node.shown, LATE_LIMIT,
+                )  # fmt: skip
+            return
+        if id(item.node) in failed_nodes:
+            retry.append(item)  # that node just failed: do not pay its timeout again
+            return
+        # A marker must outlive any late command: the key's own expiry, or a full ttl
+        # from now when we are past it (a node resuming runs what it had received).
+        args = item.args
+        if item.name in _MARKING:
+            marker = max(item.until - now, item.ttl, 0.001)
+            args = (args[0], max(1, round(marker * 1000)), *args[2:])
+        reply = run_script([item.node], item.name, item.keys, args, item.node.timeout)[0]
+        if isinstance(reply, BaseException):
+            failed_nodes.add(id(item.node))
+            item.failures += 1
+            if item.failures == 1 and item.name != "void":
+                log.warning(
+                    "release of %s did not reach %s (%s); retrying until it lands, it "
+                    "expires there within %.3g s unless the node runs a stale command",
+                    item.keys[0], item.node.shown, reply, max(0.0, item.until - now),
+                )  # fmt: skip
+            retry.append(item)
+        elif reply == 1:
+            what = "voided a late acquisition" if item.name == "void" else "released"
+            log.info("%s of %s on %s", what, item.keys[0], item.node.shown)
 
 
 janitor = Janitor()

@@ -54,6 +54,7 @@ from celery_dlock.redis.ending import void_key
 from celery_dlock.redis.janitor import LATE_LIMIT, janitor
 from celery_dlock.redis.nodes import Identities, Node, Reply
 from celery_dlock.redis.owed import Deferred
+from celery_dlock.redis.scripts import MAX_TOKEN
 from celery_dlock.redis.sending import send_deferred
 from celery_dlock.redis.transport import blocking_pop, run_script
 from celery_dlock.renewal import watchdog
@@ -294,6 +295,19 @@ class LockManager:
                 f"cannot lock {key!r}: {outcome.detail}", key=key, errors=outcome.errors
             )
         who = outcome.holder.describe() if outcome.holder else "contenders (no majority)"
+        if outcome.foreign is not None:
+            start, length = outcome.foreign
+            who = (
+                f"a value celery_dlock did not write ({length} bytes, starting "
+                f"{start[:40]!r}); something else writes keys under dlock_prefix: delete it, "
+                "or give celery_dlock a prefix of its own"
+            )
+        if outcome.no_expiry:
+            who += (
+                ", with no expiry: celery_dlock always sets one, so something else wrote or "
+                "persisted this value, and it stays until deleted (celery dlock release KEY, "
+                "or DEL)"
+            )
         return LockContended(
             f"lock {key!r} is held by {who}",
             key=key,
@@ -432,12 +446,7 @@ class LockManager:
                         sender=request.sender,
                     )
         fences, others, failures = decisions.tally(replies)
-        errors = [
-            (self.nodes[i].shown, describe(replies[i], self.nodes[i]))
-            if isinstance(replies[i], BaseException)
-            else (self.nodes[i].shown, "attempt voided")
-            for i in failures
-        ]
+        errors = [(self.nodes[i].shown, self._failure(replies[i], i, keys)) for i in failures]
         if len(fences) >= self.quorum:
             token = max(fences.values())
             if len(set(fences.values())) > 1 and not self._raise_fence(keys[1], token, fences):
@@ -465,9 +474,25 @@ class LockManager:
                     return lease
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
-        answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
+        answered = tuple(
+            i for i, r in enumerate(replies) if not isinstance(r, BaseException) and r[0] != 3
+        )
         refused = decisions.refusal(others, errors, answered, len(self.nodes), self.quorum)
         return self._own_leftover(keys, refused, ttl) if self._undone else refused
+
+    def _failure(self, reply: Reply, i: int, keys: tuple[str, str, str]) -> str:
+        """What a node's acquire reply without a usable answer says."""
+        if isinstance(reply, BaseException):
+            return describe(reply, self.nodes[i])
+        if reply[0] == 3:
+            return (
+                f"its fencing counter {keys[1]} holds {reply[1]!r}, not a count below "
+                f"{MAX_TOKEN} (2**53 - 1) as celery_dlock writes: the next token would not "
+                "rise, or not be exact, so none is issued. Something else wrote it; set it to "
+                "a number below that (tokens then rise from it) once no holder of an older "
+                "token can still write"
+            )
+        return "attempt voided"
 
     def _undo(
         self,

@@ -12,6 +12,36 @@ Requires Redis 6.2+ (or Valkey): scripts call ``TIME`` before writing (effects r
 
 from __future__ import annotations
 
+#: The most bytes of a lock value a script sends back. This library's values are about 200
+#: bytes; a bigger one was written by something else, and reading it whole (a 256 MB value
+#: took 542 MB in each contender, and its transfer outlasted the node timeout) would let
+#: whoever can write the store exhaust the workers' memory. Scripts send the first
+#: MAX_VALUE bytes and the value's length.
+MAX_VALUE = 4096
+#: The highest fencing token issued, plus one: 2**53 - 1, the largest integer a Lua double
+#: (and a JSON number read by most languages) holds exactly. The server clock floor starts
+#: tokens near 1.8e15 (microseconds since 1970), so one acquisition per microsecond on average
+#: reaches it in about 230 years.
+MAX_TOKEN = 2**53 - 1
+
+#: A Lua function both reading scripts open with: ``bounded(key)`` is the value's first
+#: MAX_VALUE bytes (or false when missing) and its length, at a cost that does not grow with
+#: the value (STRLEN, GETRANGE). A user granted the ACL line of an older version (no
+#: ``+strlen``) gets the value by GET, cut here: its transfer is bounded, not the server's copy.
+BOUNDED = """
+local function bounded(key)
+  local n = redis.pcall('STRLEN', key)
+  if type(n) == 'number' and n > MAX_VALUE then
+    return redis.call('GETRANGE', key, 0, MAX_VALUE - 1), n
+  end
+  local v = redis.call('GET', key)
+  if v then
+    return string.sub(v, 1, MAX_VALUE), #v
+  end
+  return false, 0
+end
+"""
+
 #: Take the lock if free and issue its fencing token.
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] this attempt's void marker (see VOID).
@@ -20,8 +50,10 @@ from __future__ import annotations
 #: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
 #: when the counter is missing (Redlock, where nodes' clocks differ and would force a
 #: write-back round on every acquisition).
-#: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms}`` when held by another,
-#: ``{2}`` when the attempt was voided before it arrived.
+#: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms, length}`` when held by
+#: another (the value's first MAX_VALUE bytes, and its length), ``{2}`` when the attempt was
+#: voided before it arrived, ``{3, counter}`` when the fence counter is not a count below
+#: MAX_TOKEN (its next token would not rise, or not be exact).
 #:
 #: Taking over is allowed only from a value marked ``"queued":true`` for that task id: the
 #: lock a message holds while it waits passes to its execution without a gap, while a running
@@ -30,27 +62,33 @@ from __future__ import annotations
 #: The counter is floored at the server's clock in microseconds, so tokens keep rising across a
 #: loss of the counter (expired, restart without data, restore of an older snapshot) as long
 #: as the key issued fewer than about one token per microsecond on average and the server
-#: clock did not step back. Tokens stay below 2**53, so Lua's doubles hold them exactly.
+#: clock did not step back. Tokens stay below MAX_TOKEN (2**53 - 1), so Lua's doubles hold
+#: them exactly: a counter at or past it (or not a number: something else wrote it) refuses
+#: the acquisition (code 3) rather than issue a token that is negative or does not rise.
 #: GET + SET PX is one command fewer than EXISTS + INCR + PEXPIRE.
 ACQUIRE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {2}
 end
-local cur = redis.call('GET', KEYS[1])
+local cur, size = bounded(KEYS[1])
 if cur then
   local mine = false
-  if ARGV[4] ~= '' then
+  if ARGV[4] ~= '' and size <= MAX_VALUE then
     local ok, v = pcall(cjson.decode, cur)
     mine = ok and type(v) == 'table' and v['queued'] == true and v['holder'] == ARGV[4]
   end
   if not mine then
-    return {0, cur, redis.call('PTTL', KEYS[1])}
+    return {0, cur, redis.call('PTTL', KEYS[1]), size}
   end
 end
 local last = redis.call('GET', KEYS[2])
 local fence = 0
 if last then
-  fence = tonumber(last) + 1
+  local n = tonumber(last)
+  if not (n and n >= 0 and n < MAX_TOKEN) then
+    return {3, string.sub(last, 1, 40)}
+  end
+  fence = n + 1
 end
 if not last or ARGV[5] == '1' then
   local t = redis.call('TIME')
@@ -262,7 +300,9 @@ if not cur or not string.find(cur, '"token":"' .. ARGV[1] .. '"', 1, true) then
 end
 redis.call('DEL', KEYS[1])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
+if last and last >= 0 and last < MAX_TOKEN then
+  redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
+end
 redis.call('DEL', KEYS[3])
 redis.call('RPUSH', KEYS[3], 'forced')
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
@@ -283,10 +323,22 @@ return 0
 """
 
 #: Read a lock for inspection. KEYS[1] lock key, KEYS[2] fence counter key.
-#: Returns ``{value or false, pttl_ms, fence counter or false}``.
+#: Returns ``{value or false, pttl_ms, fence counter or false, length}``: the value's first
+#: MAX_VALUE bytes and its length (0 when missing); the counter, if longer than 32 bytes
+#: (not a number this library wrote), as false.
 INSPECT = """
-return {redis.call('GET', KEYS[1]), redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2])}
+local cur, n = bounded(KEYS[1])
+local fence = redis.call('GET', KEYS[2])
+if fence and #fence > 32 then
+  fence = false
+end
+return {cur, redis.call('PTTL', KEYS[1]), fence, n}
 """
+
+ACQUIRE = (BOUNDED + ACQUIRE).replace("MAX_VALUE", str(MAX_VALUE))
+ACQUIRE = ACQUIRE.replace("MAX_TOKEN", str(MAX_TOKEN))
+FORCE_RELEASE = FORCE_RELEASE.replace("MAX_TOKEN", str(MAX_TOKEN))
+INSPECT = (BOUNDED + INSPECT).replace("MAX_VALUE", str(MAX_VALUE))
 
 ALL = {
     "acquire": ACQUIRE,

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
-from celery_dlock.config import redact
+from celery_dlock.config import PERCENT_ENCODE, misread_userinfo, redact
 from celery_dlock.errors import ConfigError
 
 SCHEME = "zookeeper"
@@ -207,18 +207,6 @@ def is_zookeeper(url: object) -> bool:
     return isinstance(url, str) and url.lower().startswith(tuple(f"{s}://" for s in SCHEMES))
 
 
-def _redact(url: str) -> str:
-    """``url`` with the digest password and any password-like query option (``ssl_password``,
-    and misspellings of it) as ``***``. Errs towards hiding: everything between the first ``:``
-    and the last ``@`` goes, since a password may hold a raw ``/``, ``?`` or ``@``."""
-    head, sep, rest = url.partition("://")
-    if "@" in rest:
-        userinfo, _, tail = rest.rpartition("@")
-        if ":" in userinfo:
-            rest = f"{userinfo.split(':', 1)[0]}:***@{tail}"
-    return redact(f"{head}{sep}{rest}")
-
-
 def _hosts(netloc: str, bad: Callable[[str, str], ConfigError]) -> list[tuple[str, int]]:
     """The ``host:port`` list of a URL, each checked, none twice."""
     hosts: list[tuple[str, int]] = []
@@ -247,7 +235,7 @@ def parse(url: object, setting: str = "dlock_urls") -> ZkUrl:
             f"{setting}: a ZooKeeper URL must be a str, not {type(url).__name__} ({url!r}); "
             "e.g. 'zookeeper://h1:2181,h2:2181,h3:2181/celery-dlock'."
         )
-    shown = _redact(url)
+    shown = redact(url)
 
     def bad(problem: str, fix: str) -> ConfigError:
         return ConfigError(f"{setting}: {shown!r}: {problem}; {fix}")
@@ -256,6 +244,11 @@ def parse(url: object, setting: str = "dlock_urls") -> ZkUrl:
         raise bad(
             "not a zookeeper:// URL",
             "write it as 'zookeeper://host:2181,host:2181/chroot' (zookeepers:// for TLS).",
+        )
+    if misread_userinfo(url):
+        raise bad(
+            "an '@' comes after a '/', '?' or '#', so it is not user:password@hosts",
+            f"{PERCENT_ENCODE}.",
         )
     scheme, _, rest = url.partition("://")
     secure = scheme.lower() == TLS_SCHEME
