@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from celery_dlock.config import Settings
+from celery_dlock.errors import LockContended
 from celery_dlock.redis.redlock import LockManager
 from tests.clients import client
 
@@ -96,3 +97,81 @@ def test_a_waiting_thread_uses_one_server_connection(
         thread.join(10)
     assert done == [True]
     assert len(opened) == 1, f"connections the waiting thread opened: {opened}"
+
+
+def _delta(plain: redis.Redis, before: dict[str, int]) -> dict[str, int]:
+    after = _commands(plain)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def test_nobody_waiting_a_release_writes_no_wake_up_and_a_refusal_writes_nothing(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    plain = client(single_urls[0])
+    manager.acquire("warm", ttl=5, renew=False).release()  # scripts cached, connection open
+    before = _commands(plain)
+    manager.acquire("quiet", ttl=5, renew=False).release()
+    cycle = _delta(plain, before)
+    assert plain.exists("dlock:{quiet}:signal") == 0, "a wake-up written for nobody"
+    # acquire: EVALSHA GET EXISTS GET TIME SET SET; release: EVALSHA GET DEL EXISTS
+    assert sum(cycle.values()) - cycle.get("info", 0) == 11, cycle
+    holder = manager.acquire("hot", ttl=5, renew=False)
+    try:
+        before = _commands(plain)
+        with pytest.raises(LockContended):
+            manager.acquire("hot", ttl=5, wait=0, renew=False)
+        refusal = _delta(plain, before)
+    finally:
+        holder.release()
+    # EVALSHA GET PTTL: no void marker read, nothing written
+    assert {k: v for k, v in refusal.items() if k != "info"} == {
+        "evalsha": 1,
+        "get": 1,
+        "pttl": 1,
+    }, refusal
+
+
+def test_a_waiter_is_woken_by_the_release_not_by_its_timeout(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # The release wakes a waiter only while a refusal's waiter marker says one may be
+    # blocked: the waiter must get in long before the holder's ttl would have let it.
+    holder = manager.acquire("handed", ttl=60, renew=False)
+    got: list[float] = []
+
+    def waiter() -> None:
+        lease = manager.acquire("handed", ttl=5, wait=60, renew=False)
+        got.append(time.monotonic())
+        lease.release()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    plain = client(single_urls[0])
+    deadline = time.monotonic() + 10
+    while not any(c["cmd"] == "blpop" for c in plain.client_list()):
+        assert time.monotonic() < deadline, "the waiter never blocked"
+    released = time.monotonic()
+    holder.release()
+    thread.join(30)
+    assert got, "the waiter did not get the key within 30 s of the release"
+    assert got[0] - released < 30  # the holder's ttl (60 s) would have been the other way
+
+
+def test_redlock_writes_a_fence_back_only_to_nodes_below_the_token(
+    redlock_urls: list[str],
+) -> None:
+    made = LockManager(Settings(urls=redlock_urls))
+    try:
+        made.acquire("warm", ttl=5, renew=False).release()
+        plains = [client(u) for u in redlock_urls]
+        before = [_commands(p) for p in plains]
+        # A fresh key: every node starts its counter at its own clock, so they disagree.
+        lease = made.acquire("fresh", ttl=5, renew=False)
+        scripts = [_delta(p, b).get("evalsha", 0) for p, b in zip(plains, before, strict=True)]
+        lease.release()
+    finally:
+        made.close()
+    counters = sorted(scripts)
+    # Each node ran the acquire; all but the node that issued the token ran the write-back.
+    assert counters.count(1) >= 1, scripts
+    assert sum(scripts) <= 2 * len(plains) - 1, scripts

@@ -50,7 +50,7 @@ from celery_dlock.redis import decisions, ending, inspection, nodes, renewing
 from celery_dlock.redis.cluster import node_for
 from celery_dlock.redis.decisions import Refusal, ms
 from celery_dlock.redis.diagnose import describe
-from celery_dlock.redis.ending import void_key
+from celery_dlock.redis.ending import void_key, waiting_key
 from celery_dlock.redis.janitor import LATE_LIMIT, janitor
 from celery_dlock.redis.nodes import Node, Reply
 from celery_dlock.redis.owed import Deferred
@@ -84,6 +84,7 @@ class _Request(NamedTuple):
     queued: bool
     sender: Any
     retention_ms: int | None = None  # how long the fence counter is kept; None = the setting
+    waits: bool = False  # a refusal will be waited on (it leaves the waiter marker)
 
 
 class LockManager:
@@ -194,8 +195,9 @@ class LockManager:
     ) -> Lease:
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
         retention = None if fence_retention is None else ms(fence_retention)
+        waits = wait is None or wait > 0
         request = _Request(
-            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention
+            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention, waits
         )
         if self.cluster and key.startswith("}"):
             raise ConfigError(
@@ -304,13 +306,14 @@ class LockManager:
 
     def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
         return (
-            (keys[0], keys[1], void_key(keys[0], head)),
+            (keys[0], keys[1], void_key(keys[0], head), waiting_key(keys[0])),
             (
                 head,
                 ms(request.ttl),
                 request.retention_ms or self._retention_ms,
                 request.takeover,
                 self._floor,
+                "1" if request.waits else "0",
             ),
         )
 
@@ -483,8 +486,10 @@ class LockManager:
             self._void(late, keys, head, time.monotonic() + ttl)
 
     def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
-        """Write the token back to the quorum's counters; True if a majority recorded it."""
-        nodes = [self.nodes[i] for i in fences]
+        """Write the token back to the quorum's counters; True if a majority recorded it.
+
+        Only to the nodes whose counter is below it: the others issued it, so they hold it."""
+        nodes = [self.nodes[i] for i, fence in fences.items() if fence < token]
         replies = run_script(
             nodes,
             "raise_fence",
@@ -493,7 +498,7 @@ class LockManager:
             self.settings.node_timeout,
         )
         done = sum(1 for r in replies if not isinstance(r, BaseException))
-        return done >= self.quorum
+        return len(fences) - len(nodes) + done >= self.quorum
 
     def _wait_for_release(
         self, key: str, signal_key: str, refusal: Refusal, give_up: float | None, ttl: float
