@@ -305,17 +305,17 @@ class LockManager:
         )
 
     def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
-        return (
-            (keys[0], keys[1], void_key(keys[0], head), waiting_key(keys[0])),
-            (
-                head,
-                ms(request.ttl),
-                request.retention_ms or self._retention_ms,
-                request.takeover,
-                self._floor,
-                "1" if request.waits else "0",
-            ),
+        script_keys = (keys[0], keys[1], void_key(keys[0], head))
+        args = (
+            head,
+            ms(request.ttl),
+            request.retention_ms or self._retention_ms,
+            request.takeover,
+            self._floor,
         )
+        if request.waits:  # only a caller that will wait leaves the waiter marker
+            return (*script_keys, waiting_key(keys[0])), (*args, "1")
+        return script_keys, args
 
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | Refusal:
         """One acquisition round on every node; a lease, or why not."""

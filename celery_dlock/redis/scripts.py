@@ -15,13 +15,13 @@ from __future__ import annotations
 #: Take the lock if free and issue its fencing token.
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] this attempt's void marker (see VOID),
-#: KEYS[4] the key's waiter marker (see RELEASE).
+#: KEYS[4] (with ARGV[6] only) the key's waiter marker (see RELEASE).
 #: ARGV[1] value head, ARGV[2] ttl in ms, ARGV[3] fence counter retention in ms,
 #: ARGV[4] a task id whose *queued* lock (enqueue-time mode) we may take over, or "".
 #: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
 #: when the counter is missing (Redlock, where nodes' clocks differ and would force a
 #: write-back round on every acquisition).
-#: ARGV[6] "1" when the caller waits if refused: the refusal then (re)sets the waiter marker
+#: ARGV[6] (optional) "1" when the caller waits if refused: the refusal then (re)sets the marker
 #: for longer than the caller will block on the signal list (the holder's time left, or this
 #: attempt's ttl if longer, plus a second).
 #: The void marker is read only when the key is free: a refused attempt writes nothing anyway.
