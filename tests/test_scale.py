@@ -175,3 +175,34 @@ def test_redlock_writes_a_fence_back_only_to_nodes_below_the_token(
     # Each node ran the acquire; all but the node that issued the token ran the write-back.
     assert counters.count(1) >= 1, scripts
     assert sum(scripts) <= 2 * len(plains) - 1, scripts
+
+
+def test_a_redlock_waiter_that_took_a_node_the_holder_lacks_is_still_woken(
+    redlock_urls: list[str],
+) -> None:
+    # The holder's key is missing on the first node: the waiter takes that node (then undoes
+    # it) and is refused by the others. It must block where a refusal left the waiter marker,
+    # or the holder's release wakes nobody and it waits out the holder's 60 s ttl.
+    made = LockManager(Settings(urls=redlock_urls))
+    holder = made.acquire("partial", ttl=60, renew=False)
+    client(redlock_urls[0]).delete("dlock:{partial}")
+    got: list[bool] = []
+
+    def waiter() -> None:
+        made.acquire("partial", ttl=5, wait=60, renew=False).release()
+        got.append(True)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(
+            c["cmd"] == "blpop" for url in redlock_urls for c in client(url).client_list()
+        ):
+            assert time.monotonic() < deadline, "the waiter never blocked"
+        holder.release()
+        thread.join(20)  # a third of the holder's ttl: a wake-up, not the expiry
+        assert got == [True], "the waiter was not woken by the release"
+    finally:
+        thread.join(60)
+        made.close()

@@ -462,7 +462,14 @@ class LockManager:
                     return lease
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
-        answered = tuple(i for i, r in enumerate(replies) if not isinstance(r, BaseException))
+        # Nodes that refused first: a waiter blocks on the first, and only a refusal left the
+        # waiter marker there that makes a release wake it (scripts.RELEASE).
+        answered = tuple(
+            sorted(
+                (i for i, r in enumerate(replies) if not isinstance(r, BaseException)),
+                key=lambda i: replies[i][0] != 0,
+            )
+        )
         refused = decisions.refusal(others, errors, answered, len(self.nodes), self.quorum)
         return self._own_leftover(keys, refused, ttl) if self._undone else refused
 
@@ -519,7 +526,7 @@ class LockManager:
             else min(give_up, time.monotonic() + expiry)
         )
         # All waiters block on the same node, so that one release wakes one of them:
-        # the first node that answered the last attempt (releases signal every node).
+        # the first node that refused the last attempt (releases signal every node).
         order = list(refusal.answered) + [
             i for i in range(len(self.nodes)) if i not in refusal.answered
         ]
