@@ -1,5 +1,6 @@
-"""Renewing Redis leases: one script call per node for every lease the watchdog found due
-(one per hash slot on Redis Cluster), and what each node's answer means for each lease.
+"""Renewing Redis leases: the leases the watchdog found due, in script calls of at most
+:data:`BATCH` leases per node (and one hash slot each on Redis Cluster), and what each node's
+answer means for each lease.
 
 :class:`~.redlock.LockManager` calls it for :meth:`celery_dlock.backend.Backend.renew`.
 """
