@@ -438,7 +438,12 @@ def _contend(
     return free, redispy
 
 
-def section_wait(url: str, waiters_list: Sequence[int], ttl: float) -> dict[str, Any]:
+WAIT_LIBS = ("ours", "python-redis-lock", "redis-py")
+
+
+def section_wait(
+    url: str, waiters_list: Sequence[int], ttl: float, libs: Sequence[str] = WAIT_LIBS
+) -> dict[str, Any]:
     """N threads wait on a key whose holder renews it; connections and traffic per waiter."""
     client = redis.Redis.from_url(url)
     out: dict[str, Any] = {}
@@ -448,7 +453,7 @@ def section_wait(url: str, waiters_list: Sequence[int], ttl: float) -> dict[str,
         return int(client.info("clients")["connected_clients"])
 
     for n in waiters_list:
-        for lib in ("ours", "python-redis-lock", "redis-py"):
+        for lib in libs:
             free, waiter = _contend(lib, url, f"wait:{lib}:{uuid.uuid4().hex[:8]}", ttl)
             # The holder's own renewals, measured first with nobody waiting, are taken off.
             probe = Probe([url])
@@ -519,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--leases", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--waiters", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--wait-ttl", type=float, default=3.0, help="the holder's ttl (s)")
+    parser.add_argument("--wait-libs", nargs="+", default=list(WAIT_LIBS), choices=WAIT_LIBS)
     parser.add_argument("--left-keys", type=int, default=1000)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -544,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "renew" in args.sections:
             result["renew"] = section_renew(one, args.leases)
         if "wait" in args.sections:
-            result["wait"] = section_wait(one, args.waiters, args.wait_ttl)
+            result["wait"] = section_wait(one, args.waiters, args.wait_ttl, args.wait_libs)
         if "left" in args.sections:
             result["left"] = section_left(one, args.left_keys)
     result["elapsed_s"] = round(time.monotonic() - started, 1)
