@@ -107,6 +107,42 @@ class ReleasingFloor:
         self.unread = True
 
 
+class FencedFloor:
+    """The least a lock with our guarantees must send (issue 34): ``SET key token NX PX`` and
+    a fence ``INCR`` in one pipeline (one round trip), and at the end a compare-and-delete
+    script whose reply is read only before the next command. No renewal, no waking, no void
+    markers: the key expires if the task dies."""
+
+    COMPARE_AND_DELETE = (
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+        "return 0"
+    )
+
+    def __init__(self, url: str) -> None:
+        client = redis.Redis.from_url(url)
+        self.sha = client.script_load(self.COMPARE_AND_DELETE)
+        self.conn = client.connection_pool.get_connection()
+        self.unread = False
+        self.token = ""
+
+    def take(self, key: str) -> None:
+        if self.unread:
+            self.conn.read_response()
+        self.token = os.urandom(12).hex()
+        self.conn.send_packed_command(
+            self.conn.pack_commands(
+                [("SET", key, self.token, "NX", "PX", 30000), ("INCR", key + ":fence")]
+            )
+        )
+        self.conn.read_response()
+        self.conn.read_response()
+        self.unread = False
+
+    def give_back(self, key: str) -> None:
+        self.conn.send_command("EVALSHA", self.sha, 1, key, self.token)
+        self.unread = True
+
+
 def callgrind_total(argv: Sequence[str], out: Path, what: str) -> int:
     """Instructions callgrind counts in the whole run of ``argv`` (a Python command line),
     with ``PYTHONHASHSEED=0`` so that runs of one row compare."""

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import redis
-from _common import ReleasingFloor
+from _common import FencedFloor, ReleasingFloor
 from celery import Celery, signals
 from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
@@ -156,6 +156,26 @@ def floor_release(n: int, secs: float = 0.0, count: bool = False) -> int:
         _releasing = (os.getpid(), ReleasingFloor(LOCK_URLS[0]))
     lock = _releasing[1]
     key = f"bench:floor-release:{n}"
+    lock.take(key)
+    try:
+        return _body(n, secs, count)
+    finally:
+        lock.give_back(key)
+
+
+_fenced: tuple[int, FencedFloor] | None = None
+
+
+@app.task(name="bench.floor_fenced")
+def floor_fenced(n: int, secs: float = 0.0, count: bool = False) -> int:
+    """``SET NX PX`` + a fence ``INCR`` in one round trip, and a compare-and-delete release
+    sent without waiting: the least a lock with our guarantees (a fencing token, a release
+    that deletes only its own key) must do in the worker."""
+    global _fenced
+    if _fenced is None or _fenced[0] != os.getpid():
+        _fenced = (os.getpid(), FencedFloor(LOCK_URLS[0]))
+    lock = _fenced[1]
+    key = f"bench:floor-fenced:{n}"
     lock.take(key)
     try:
         return _body(n, secs, count)

@@ -11,7 +11,7 @@ setting                           default      meaning
 ``dlock_prefix``                  ``"dlock"``  prefix of every Redis key the library writes
 ``dlock_node_timeout``            0.5          seconds one Redis node may take to answer
 ``dlock_drift_factor``            0.01         clock drift allowance, as a fraction of the ttl
-``dlock_fence_retention``         2592000      seconds a key's fence counter is kept unused
+``dlock_fence_retention``         86400        seconds a key's fence counter is kept unused
 ================================  ===========  ==============================================
 """
 
@@ -33,7 +33,9 @@ DEFAULT_TTL = 30.0
 DEFAULT_PREFIX = "dlock"
 DEFAULT_NODE_TIMEOUT = 0.5
 DEFAULT_DRIFT_FACTOR = 0.01
-DEFAULT_FENCE_RETENTION = 30 * 24 * 3600.0
+#: One day: a released key leaves nothing in Redis a day later. Tokens do not rest on the
+#: counter's history alone: a missing counter restarts at the server clock in microseconds.
+DEFAULT_FENCE_RETENTION = 24 * 3600.0
 #: Longest user key accepted as is; longer keys should be hashed (task keys are, automatically).
 MAX_KEY_LENGTH = 1024
 #: Least validity a lease may start with after the drift allowance.

@@ -40,6 +40,18 @@ def void_key(lock_key: str, head: str) -> str:
     return f"{lock_key}:void:{head_nonce(head)}"
 
 
+def waiting_key(lock_key: str) -> str:
+    """The marker a refused caller that will wait leaves, so that releases wake it (see
+    scripts.RELEASE); without it a release writes no wake-up."""
+    return lock_key + ":waiting"
+
+
+def owner_prefix(head: str) -> str:
+    """The start of a value that names its acquisition: ``{"token":"<nonce>"``. What a
+    release compares instead of the whole head (fewer bytes, the same owner)."""
+    return head[: head.index('"', 10) + 1]
+
+
 def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
     """Delete the lease's key on every node; True if a quorum confirmed.
 
@@ -59,11 +71,12 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
             head = lease.head
             ttl_ms = ms(lease.ttl)
             nonce = head_nonce(head)
-            script_keys = (keys[0], keys[2])
+            script_keys = (keys[0], keys[2], waiting_key(keys[0]))
+            owner = owner_prefix(head)
             # Sent again if it may have been lost with its connection: waking a waiter
             # only if the key was still there (the first one may have landed).
-            resend: Resend = ("release", script_keys, (head, ttl_ms, "2", nonce), until)
-            args = (head, ttl_ms, "1", nonce)
+            resend: Resend = ("release", script_keys, (owner, ttl_ms, "2", nonce), until)
+            args = (owner, ttl_ms, "1", nonce)
             missed = send_script(m.nodes, "release", script_keys, args, resend)
             if missed:
                 owed += missed
@@ -122,8 +135,8 @@ def release_on(
     return run_script(
         nodes,
         "release",
-        (keys[0], keys[2]),
-        (head, ms(max(ttl, 0.001)), "1" if wake else "0", head_nonce(head)),
+        (keys[0], keys[2], waiting_key(keys[0])),
+        (owner_prefix(head), ms(max(ttl, 0.001)), "1" if wake else "0", head_nonce(head)),
         m.settings.node_timeout,
     )
 

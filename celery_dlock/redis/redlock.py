@@ -50,7 +50,7 @@ from celery_dlock.redis import decisions, ending, inspection, nodes, renewing
 from celery_dlock.redis.cluster import node_for
 from celery_dlock.redis.decisions import Refusal, ms
 from celery_dlock.redis.diagnose import describe
-from celery_dlock.redis.ending import void_key
+from celery_dlock.redis.ending import void_key, waiting_key
 from celery_dlock.redis.janitor import LATE_LIMIT, janitor
 from celery_dlock.redis.nodes import Identities, Node, Reply
 from celery_dlock.redis.owed import Deferred
@@ -85,6 +85,7 @@ class _Request(NamedTuple):
     queued: bool
     sender: Any
     retention_ms: int | None = None  # how long the fence counter is kept; None = the setting
+    waits: bool = False  # a refusal will be waited on (it leaves the waiter marker)
 
 
 class LockManager:
@@ -199,8 +200,9 @@ class LockManager:
     ) -> Lease:
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
         retention = None if fence_retention is None else ms(fence_retention)
+        waits = wait is None or wait > 0
         request = _Request(
-            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention
+            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention, waits
         )
         if self.cluster and key.startswith("}"):
             raise ConfigError(
@@ -321,16 +323,17 @@ class LockManager:
         )
 
     def _acquire_args(self, request: _Request, keys: tuple[str, str, str], head: str) -> Any:
-        return (
-            (keys[0], keys[1], void_key(keys[0], head)),
-            (
-                head,
-                ms(request.ttl),
-                request.retention_ms or self._retention_ms,
-                request.takeover,
-                self._floor,
-            ),
+        script_keys = (keys[0], keys[1], void_key(keys[0], head))
+        args = (
+            head,
+            ms(request.ttl),
+            request.retention_ms or self._retention_ms,
+            request.takeover,
+            self._floor,
         )
+        if request.waits:  # only a caller that will wait leaves the waiter marker
+            return (*script_keys, waiting_key(keys[0])), (*args, "1")
+        return script_keys, args
 
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | Refusal:
         """One acquisition round on every node; a lease, or why not."""
@@ -474,8 +477,18 @@ class LockManager:
                     return lease
                 errors.append(("quorum", "validity ran out before the nodes answered"))
         self._undo(keys, head, ttl, fences, replies)
+        # Nodes that refused first: a waiter blocks on the first, and only a refusal left the
+        # waiter marker there that makes a release wake it (scripts.RELEASE). A node whose fence
+        # counter is out of range (code 3) did not answer the question of who holds the key.
         answered = tuple(
-            i for i, r in enumerate(replies) if not isinstance(r, BaseException) and r[0] != 3
+            sorted(
+                (
+                    i
+                    for i, r in enumerate(replies)
+                    if not isinstance(r, BaseException) and r[0] != 3
+                ),
+                key=lambda i: replies[i][0] != 0,
+            )
         )
         refused = decisions.refusal(others, errors, answered, len(self.nodes), self.quorum)
         return self._own_leftover(keys, refused, ttl) if self._undone else refused
@@ -514,8 +527,10 @@ class LockManager:
             self._void(late, keys, head, time.monotonic() + ttl)
 
     def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
-        """Write the token back to the quorum's counters; True if a majority recorded it."""
-        nodes = [self.nodes[i] for i in fences]
+        """Write the token back to the quorum's counters; True if a majority recorded it.
+
+        Only to the nodes whose counter is below it: the others issued it, so they hold it."""
+        nodes = [self.nodes[i] for i, fence in fences.items() if fence < token]
         replies = run_script(
             nodes,
             "raise_fence",
@@ -524,7 +539,7 @@ class LockManager:
             self.settings.node_timeout,
         )
         done = sum(1 for r in replies if not isinstance(r, BaseException))
-        return done >= self.quorum
+        return len(fences) - len(nodes) + done >= self.quorum
 
     def _wait_for_release(
         self, key: str, signal_key: str, refusal: Refusal, give_up: float | None, ttl: float
@@ -545,7 +560,7 @@ class LockManager:
             else min(give_up, time.monotonic() + expiry)
         )
         # All waiters block on the same node, so that one release wakes one of them:
-        # the first node that answered the last attempt (releases signal every node).
+        # the first node that refused the last attempt (releases signal every node).
         order = list(refusal.answered) + [
             i for i in range(len(self.nodes)) if i not in refusal.answered
         ]

@@ -44,12 +44,17 @@ end
 
 #: Take the lock if free and issue its fencing token.
 #:
-#: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] this attempt's void marker (see VOID).
+#: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] this attempt's void marker (see VOID),
+#: KEYS[4] (with ARGV[6] only) the key's waiter marker (see RELEASE).
 #: ARGV[1] value head, ARGV[2] ttl in ms, ARGV[3] fence counter retention in ms,
 #: ARGV[4] a task id whose *queued* lock (enqueue-time mode) we may take over, or "".
 #: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
 #: when the counter is missing (Redlock, where nodes' clocks differ and would force a
 #: write-back round on every acquisition).
+#: ARGV[6] (optional) "1" when the caller waits if refused: the refusal then (re)sets the marker
+#: for longer than the caller will block on the signal list (the holder's time left, or this
+#: attempt's ttl if longer, plus a second).
+#: The void marker is read only when the key is free: a refused attempt writes nothing anyway.
 #: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms, length}`` when held by
 #: another (the value's first MAX_VALUE bytes, and its length), ``{2}`` when the attempt was
 #: voided before it arrived, ``{3, counter}`` when the fence counter is not a count below
@@ -67,9 +72,6 @@ end
 #: the acquisition (code 3) rather than issue a token that is negative or does not rise.
 #: GET + SET PX is one command fewer than EXISTS + INCR + PEXPIRE.
 ACQUIRE = """
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {2}
-end
 local cur, size = bounded(KEYS[1])
 if cur then
   local mine = false
@@ -78,8 +80,15 @@ if cur then
     mine = ok and type(v) == 'table' and v['queued'] == true and v['holder'] == ARGV[4]
   end
   if not mine then
-    return {0, cur, redis.call('PTTL', KEYS[1]), size}
+    local left = redis.call('PTTL', KEYS[1])
+    if ARGV[6] == '1' then
+      redis.call('SET', KEYS[4], '1', 'PX', math.max(left, tonumber(ARGV[2])) + 1000)
+    end
+    return {0, cur, left, size}
   end
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {2}
 end
 local last = redis.call('GET', KEYS[2])
 local fence = 0
@@ -115,8 +124,11 @@ return 1
 
 #: Delete the lock if we own it, and wake one waiter.
 #:
-#: KEYS[1] lock key, KEYS[2] waiter signal list.
-#: ARGV[1] value head, ARGV[2] signal ttl in ms, ARGV[3] "1" to wake a waiter, "0" not to,
+#: KEYS[1] lock key, KEYS[2] waiter signal list, KEYS[3] (optional) the waiter marker: when
+#: given, a waiter is woken only while the marker exists, i.e. while someone refused by
+#: ACQUIRE may still be blocked on the list (nobody waiting: no signal written at all).
+#: ARGV[1] value head (or any prefix of it that holds the nonce), ARGV[2] signal ttl in ms,
+#: ARGV[3] "1" to wake a waiter, "0" not to,
 #: "2" only if this call deleted the key (a release sent again: the first one may have woken a
 #: waiter already), ARGV[4] our random token, the signal's content.
 #: Returns 1 when deleted, 0 when the key was already gone, 2 when someone else holds it.
@@ -137,7 +149,8 @@ end
 if cur then
   redis.call('DEL', KEYS[1])
 end
-if ARGV[3] == '0' or (ARGV[3] == '2' and not cur) then
+if ARGV[3] == '0' or (ARGV[3] == '2' and not cur)
+    or (KEYS[3] and redis.call('EXISTS', KEYS[3]) == 0) then
   if cur then
     return 1
   end

@@ -1,7 +1,7 @@
 """Sending a script without waiting for its reply: releases (:func:`send_script`) and calls whose
 reply is read later (:func:`send_deferred`).
 
-The connection is made ready first (:func:`_prepare`: connected, owed replies read, a
+The connection is made ready first (:func:`prepare`: connected, owed replies read, a
 server-closed socket replaced, lost releases sent again), so a failure here means the node
 really is unreachable. The reply then is owed (:mod:`.owed`), or never written at all
 (:mod:`.skipping`), and a reply-less release is tracked until confirmed (:mod:`.resends`).
@@ -83,7 +83,7 @@ def _send_to(
     """:func:`send_script` to one node; False if it could not be sent (connection dropped)."""
     conn = node.connection()
     try:
-        _prepare(node, conn)
+        prepare(node, conn)
         if not _send_unanswered(node, conn, name, keys, args, packed):
             send_owed(node, conn, Owed(name, tuple(keys), tuple(args)), packed)
         if resend is not None:  # unconfirmed until a later reply on this socket
@@ -104,7 +104,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
     conn = node.connection()
     deferred = Deferred(node, conn)
     try:
-        _prepare(node, conn)
+        prepare(node, conn)
         send_owed(node, conn, Owed(name, tuple(keys), tuple(args), deferred))
     except (RedisError, OSError) as exc:
         conn.disconnect()
@@ -112,7 +112,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
     return deferred
 
 
-def _prepare(node: Node, conn: Connection) -> None:
+def prepare(node: Node, conn: Connection) -> None:
     """Make ``conn`` ready for a command: connected, owed replies read, not closed by the
     server (a zero-timeout poll, no round trip), and what may have been lost with an earlier
     socket sent again ahead of the command."""

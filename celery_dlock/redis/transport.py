@@ -48,11 +48,11 @@ from celery_dlock.redis.nodes import (
     Node,
     Reply,
     connect,
-    is_connected,
     reconnect,
 )
 from celery_dlock.redis.owed import drain
 from celery_dlock.redis.resends import Sent, resend_lost
+from celery_dlock.redis.sending import prepare
 from celery_dlock.redis.wire import demoted, pack, read
 
 #: The logger operators know for connection problems with one node (docs/operations.md).
@@ -328,17 +328,24 @@ def _reply(node: Node, conn: Connection) -> Reply:
 
 
 def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
-    """BLPOP ``key`` for up to ``seconds`` on this thread's wait connection.
+    """BLPOP ``key`` for up to ``seconds`` on this thread's connection to the node.
 
     Returns the popped element, or None when the wait ran out. Raises ``RedisError`` /
     ``OSError`` when the node cannot be used, so the caller can try another node. An
     interrupted wait drops its connection, or its BLPOP would go on to swallow a wake-up
     meant for another waiter.
+
+    The thread's command connection, made ready first as for any command (replies it still
+    owes read, a server-closed socket replaced): a waiting thread sends nothing else
+    meanwhile, so a second connection per waiter would only cost the server a client.
     """
     node = node.route(key)
-    conn = node.connection("wait")
-    if is_connected(conn) and (stale(conn) or (node.watched and node.switched(conn))):
+    conn = node.connection()
+    try:
+        prepare(node, conn)
+    except BaseException:
         conn.disconnect()
+        raise
     try:
         conn.send_command("BLPOP", key, f"{seconds:.3f}")
         # The server answers nil at its own timeout; allow it the node timeout on top.

@@ -1,0 +1,208 @@
+"""What a lock leaves on the server and costs it as work grows (issue 34), on real servers.
+
+Each test reads the server's own account (key ttls, the slow log, ``CLIENT LIST``,
+``INFO commandstats``), never a timing of this host: the figures are counts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_dlock.config import Settings
+from celery_dlock.errors import LockContended
+from celery_dlock.redis.redlock import LockManager
+from tests.clients import client
+
+DAY_MS = 86_400_000
+
+
+@pytest.fixture
+def manager(single_urls: list[str]) -> Iterator[LockManager]:
+    made = LockManager(Settings(urls=single_urls))
+    yield made
+    made.close()
+
+
+def test_a_released_key_leaves_nothing_a_day_later(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # Default settings: whatever a lock-and-release leaves must expire within a day.
+    for i in range(20):
+        manager.acquire(f"once-{i}", ttl=5, renew=False).release()
+    plain = client(single_urls[0])
+    left = {name: plain.pttl(name) for name in plain.scan_iter()}
+    assert left, "expected the fence counters to be there right after"
+    lasting = {name: ttl for name, ttl in left.items() if ttl == -1 or ttl > DAY_MS}
+    assert not lasting, f"keys that outlive a day after release: {lasting}"
+
+
+def _commands(plain: redis.Redis) -> dict[str, int]:
+    stats = plain.info("commandstats")
+    return {name[8:]: int(stat["calls"]) for name, stat in stats.items()}
+
+
+def test_renewing_many_leases_never_holds_the_server_for_more_than_200_of_them(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # A call holds Redis for its whole run: 10,000 leases in one call held it ~80 ms. The
+    # slow log, at a threshold of 0, lists every call with its key count.
+    plain = client(single_urls[0])
+    leases = [manager.acquire(f"many-{i}", ttl=60, renew=False) for i in range(450)]
+    manager.renew(leases[:1])  # the script cached: every call below is an EVALSHA
+    before = plain.config_get("slowlog-*")
+    plain.config_set("slowlog-max-len", 10_000)
+    plain.config_set("slowlog-log-slower-than", 0)
+    plain.slowlog_reset()
+    try:
+        outcomes = manager.renew(leases)
+        entries = plain.slowlog_get(10_000)
+    finally:
+        for name, value in before.items():
+            plain.config_set(name, value)
+        for lease in leases:
+            lease.release()
+    assert outcomes == [None] * len(leases)
+    calls = [bytes(e["command"]).split(b" ") for e in entries]
+    renewing = [int(c[2]) // 3 for c in calls if c[0].upper() == b"EVALSHA"]
+    assert sum(renewing) == len(leases), renewing
+    assert max(renewing) <= 200, f"leases renewed per call: {renewing}"
+
+
+def test_a_waiting_thread_uses_one_server_connection(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    plain = client(single_urls[0])
+    holder = manager.acquire("busy", ttl=30, renew=False)
+    before = {c["addr"] for c in plain.client_list()}
+    done: list[bool] = []
+
+    def waiter() -> None:
+        manager.acquire("busy", ttl=5, wait=30, renew=False).release()
+        done.append(True)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
+            assert time.monotonic() < deadline, "the waiter never blocked"
+        opened = [c for c in plain.client_list() if c["addr"] not in before]
+    finally:
+        holder.release()
+        thread.join(10)
+    assert done == [True]
+    assert len(opened) == 1, f"connections the waiting thread opened: {opened}"
+
+
+def _delta(plain: redis.Redis, before: dict[str, int]) -> dict[str, int]:
+    after = _commands(plain)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def test_nobody_waiting_a_release_writes_no_wake_up_and_a_refusal_writes_nothing(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    plain = client(single_urls[0])
+    manager.acquire("warm", ttl=5, renew=False).release()  # scripts cached, connection open
+    before = _commands(plain)
+    manager.acquire("quiet", ttl=5, renew=False).release()
+    cycle = _delta(plain, before)
+    assert plain.exists("dlock:{quiet}:signal") == 0, "a wake-up written for nobody"
+    # acquire: EVALSHA GET EXISTS GET TIME SET SET; release: EVALSHA GET DEL EXISTS
+    assert sum(cycle.values()) - cycle.get("info", 0) == 11, cycle
+    holder = manager.acquire("hot", ttl=5, renew=False)
+    try:
+        before = _commands(plain)
+        with pytest.raises(LockContended):
+            manager.acquire("hot", ttl=5, wait=0, renew=False)
+        refusal = _delta(plain, before)
+    finally:
+        holder.release()
+    # EVALSHA GET PTTL: no void marker read, nothing written
+    assert {k: v for k, v in refusal.items() if k != "info"} == {
+        "evalsha": 1,
+        "get": 1,
+        "pttl": 1,
+    }, refusal
+
+
+def test_a_waiter_is_woken_by_the_release_not_by_its_timeout(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # The release wakes a waiter only while a refusal's waiter marker says one may be
+    # blocked: the waiter must get in long before the holder's ttl would have let it.
+    holder = manager.acquire("handed", ttl=60, renew=False)
+    got: list[float] = []
+
+    def waiter() -> None:
+        lease = manager.acquire("handed", ttl=5, wait=60, renew=False)
+        got.append(time.monotonic())
+        lease.release()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    plain = client(single_urls[0])
+    deadline = time.monotonic() + 10
+    while not any(c["cmd"] == "blpop" for c in plain.client_list()):
+        assert time.monotonic() < deadline, "the waiter never blocked"
+    released = time.monotonic()
+    holder.release()
+    thread.join(30)
+    assert got, "the waiter did not get the key within 30 s of the release"
+    assert got[0] - released < 30  # the holder's ttl (60 s) would have been the other way
+
+
+def test_redlock_writes_a_fence_back_only_to_nodes_below_the_token(
+    redlock_urls: list[str],
+) -> None:
+    made = LockManager(Settings(urls=redlock_urls))
+    try:
+        made.acquire("warm", ttl=5, renew=False).release()
+        plains = [client(u) for u in redlock_urls]
+        before = [_commands(p) for p in plains]
+        # A fresh key: every node starts its counter at its own clock, so they disagree.
+        lease = made.acquire("fresh", ttl=5, renew=False)
+        scripts = [_delta(p, b).get("evalsha", 0) for p, b in zip(plains, before, strict=True)]
+        lease.release()
+    finally:
+        made.close()
+    counters = sorted(scripts)
+    # Each node ran the acquire; all but the node that issued the token ran the write-back.
+    assert counters.count(1) >= 1, scripts
+    assert sum(scripts) <= 2 * len(plains) - 1, scripts
+
+
+def test_a_redlock_waiter_that_took_a_node_the_holder_lacks_is_still_woken(
+    redlock_urls: list[str],
+) -> None:
+    # The holder's key is missing on the first node: the waiter takes that node (then undoes
+    # it) and is refused by the others. It must block where a refusal left the waiter marker,
+    # or the holder's release wakes nobody and it waits out the holder's 60 s ttl.
+    made = LockManager(Settings(urls=redlock_urls))
+    holder = made.acquire("partial", ttl=60, renew=False)
+    client(redlock_urls[0]).delete("dlock:{partial}")
+    got: list[bool] = []
+
+    def waiter() -> None:
+        made.acquire("partial", ttl=5, wait=60, renew=False).release()
+        got.append(True)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(
+            c["cmd"] == "blpop" for url in redlock_urls for c in client(url).client_list()
+        ):
+            assert time.monotonic() < deadline, "the waiter never blocked"
+        holder.release()
+        thread.join(20)  # a third of the holder's ttl: a wake-up, not the expiry
+        assert got == [True], "the waiter was not woken by the release"
+    finally:
+        thread.join(60)
+        made.close()
