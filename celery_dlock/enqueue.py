@@ -26,6 +26,9 @@ headers, which the worker then drops without running the body.
 
 A retry of the running execution publishes through the same path: its key is handed over to
 the retry message (:func:`queue_lock`), unless ``retry(throw=False)`` keeps the body going.
+Any other publish of the key from the body holding it (its own id again, a reschedule) is
+neither handed the key nor merged into the run in progress: it is published without a queued
+lock and runs once the key is free (:func:`_from_running_body`).
 """
 
 from __future__ import annotations
@@ -198,7 +201,7 @@ def send_queue_lock(
     """
     if time.monotonic() - _held_recently.get(key, -math.inf) < HELD_RECHECK:
         return None
-    if _running_lease(task, key, task_id) is not None:
+    if _running_lease(task, key) is not None:
         return None
     ttl = task._queued_ttl(options) + _delay_of(options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
@@ -330,15 +333,17 @@ def _parse_eta(eta: Any) -> Any:
 
 
 #: Per thread: the lease of the execution whose ``retry()`` is under way (``lease``, so that
-#: execution-time mode releases it at the retry's publish) or whose ``retry(throw=False)``
-#: keeps its key (``keep``, enqueue-time mode).
+#: execution-time mode releases it at the retry's publish), whose ``retry()`` or ``replace()``
+#: hands its key to the message (``handing``, enqueue-time mode), or whose
+#: ``retry(throw=False)`` keeps its key (``keep``, enqueue-time mode).
 retrying = threading.local()
 
 
-def _running_lease(task: Publisher, key: str, task_id: str) -> Lease | None:
-    """The lease of the running execution this publish is a retry (or re-publish) of."""
+def _running_lease(task: Publisher, key: str) -> Lease | None:
+    """The lease of the execution running in this thread, if it holds ``key``: this publish
+    comes from the body holding the key it wants (a retry, a re-publish, a reschedule)."""
     running = task.lease
-    if running is not None and running.key == key and running.holder == task_id:
+    if running is not None and running.key == key:
         return running
     return None
 
@@ -368,9 +373,9 @@ def queue_lock(
     """
     manager = task._dlock().manager
     ttl = task._queued_ttl(options) + _delay_of(options)
-    running = None if early is not None else _running_lease(task, key, task_id)
-    if running is not None:  # a retry of the running execution: the key goes with the message
-        return _pass_to_retry(manager, running, key, ttl)
+    running = None if early is not None else _running_lease(task, key)
+    if running is not None:  # published from the body that holds the key
+        return _from_running_body(task, manager, running, key, task_id, ttl)
     first = early.pending if early is not None else None
     looks = _Looks()
     while True:
@@ -466,13 +471,33 @@ def _unlocked(task: Publisher, task_id: str, why: object) -> Queued:
     return Queued(None, None)
 
 
-def _pass_to_retry(manager: Backend, running: Lease, key: str, ttl: float) -> Queued:
-    """The retry of the execution running in this thread is being published: its key passes
-    to the retry's message, unless the body goes on (``retry(throw=False)``)."""
-    if getattr(retrying, "keep", None) is running:
-        return Queued(None, None)
-    nonce = manager.hand_over(running, ttl)
-    return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
+def _from_running_body(
+    task: Publisher, manager: Backend, running: Lease, key: str, task_id: str, ttl: float
+) -> Queued:
+    """A message for ``key`` published by the body whose execution holds ``key``.
+
+    Its own retry (``retry()``, ``replace()``, which end the body at once): the key passes
+    to the message without a gap. Anything else leaves the body running, so the key stays
+    with it, and the message is not merged into the run in progress either (that run is not
+    "queued": the call would be lost): it is published without a queued lock, and its
+    execution meets the key like any other. The same task id waits for this run to end
+    (requeued with backoff until the key frees); a new id, run before this one ends, meets
+    the task's ``on_duplicate`` policy.
+    """
+    if running.holder == task_id and getattr(retrying, "handing", None) is running:
+        nonce = manager.hand_over(running, ttl)
+        return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
+    if getattr(retrying, "keep", None) is not running:  # retry(throw=False) says so itself
+        same = "its own task id" if running.holder == task_id else f"task {task_id}"
+        log.info(
+            "task %s[%s] publishes %s for %r, the key it holds: not merged into the run in "
+            "progress; published without a queued lock, it runs when the key is free",
+            task.name,
+            running.holder,
+            same,
+            key,
+        )
+    return Queued(None, None)
 
 
 def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:

@@ -409,6 +409,9 @@ class SingletonTask(_TaskBase):
         keeping = lease is not None and not throw and self.lock_on == "enqueue"
         if keeping:
             enqueue.retrying.keep = lease
+        handing = lease is not None and throw and self.lock_on == "enqueue"
+        if handing:
+            enqueue.retrying.handing = lease
         try:
             return super().retry(
                 args=args,
@@ -425,6 +428,21 @@ class SingletonTask(_TaskBase):
                 enqueue.retrying.lease = None
             if keeping:
                 enqueue.retrying.keep = None
+            if handing:
+                enqueue.retrying.handing = None
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's ``replace``; in enqueue-time mode a replacement of this same call (same
+        task id and key) is handed the key without a gap, as a retry is: the body ends here."""
+        lease = self.lease
+        handing = lease is not None and self.lock_on == "enqueue"
+        if handing:
+            enqueue.retrying.handing = lease
+        try:
+            return super().replace(sig)
+        finally:
+            if handing:
+                enqueue.retrying.handing = None
 
     # -- duplicates ----------------------------------------------------------------------------
 

@@ -313,6 +313,14 @@ def _seam_ending(task: Any, name: str, how: str, secs: float, base: dict[str, An
             record("fallback", **base, lost=lease.lost, released=lease.released)
             _work(secs)
             return "fallback"
+    if how == "republish_own":
+        # "Run me again" without retry(): the body publishes its own task id, and goes on.
+        task.apply_async((name, "return", secs), task_id=request.id)
+        record("republished", **base)
+    if how == "reschedule":
+        # The body schedules its next run (a new task id, the same key) for after it ends.
+        again = task.apply_async((name, "return", secs), countdown=secs + 1.0)
+        record("rescheduled", **base, new=again.id)
     if how in ("retry", "retry_nothrow") and request.retries > 0:
         return name  # the retried run
     if how == "retry_nothrow":
