@@ -18,6 +18,11 @@ The path of one publish, in the order it runs:
 4. Back in :func:`publish`, ``MergedDuplicate`` becomes the holder's ``AsyncResult``; any
    other failure to publish releases the key again, by the acquisition's nonce.
 
+A duplicate whose own task id something else waits on (a group or chord member, a chain's
+head, a call with ``link``/``link_error``) is not called off: it is published marked as the
+holder's duplicate, and the worker drops it with the drop result, so the canvas completes and
+the callbacks run (:func:`_waited_on`).
+
 Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
 process that did not import the task) reach step 3 with no early acquisition: the receiver
 finds the task by name in the sending app (:func:`register_enqueue_task`, :func:`enqueue_app`) and
@@ -79,6 +84,7 @@ class Publisher(Protocol):
     def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str: ...
     def _dlock(self) -> _Settings: ...
     def _queued_ttl(self, options: Mapping[str, Any]) -> float: ...
+    def _publishes_waited_on_duplicates(self) -> bool: ...
     def _wire_key(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, serializer: Any
     ) -> str: ...
@@ -110,13 +116,19 @@ def publish(
         options["headers"] = headers
         return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
     wanted = task._wire_key(args, kwargs, options.get("serializer"))
-    early = send_queue_lock(task, wanted, task_id, options)
+    waited_on = _waited_on(task, link, link_error, options)
+    early = send_queue_lock(task, wanted, task_id, options, waited_on)
     key: str | None = wanted  # with early: the reply is read in before_task_publish
     nonce = early.nonce if early is not None else None
     if early is None:
         queued = queue_lock(task, wanted, task_id, options)
         if queued.holder_id is not None:
-            return task.AsyncResult(queued.holder_id)
+            if not waited_on or queued.holder_id == task_id:
+                return task.AsyncResult(queued.holder_id)
+            # Part of a canvas, or with callbacks: its own id must get a result. Published
+            # marked as the holder's duplicate, which the worker drops (the drop result).
+            options["headers"] = {**headers, HEADER_DUPLICATE_OF: queued.holder_id}
+            return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         key, nonce = queued.key, queued.nonce
     # The message names its queued lock's acquisition, so that a worker discarding it
     # (revoked, expired) frees that lock and nothing else. Marked even without a queued
@@ -142,14 +154,26 @@ def publish(
 # -- the acquisition sent before the message is built ------------------------------------------
 
 
+def _waited_on(task: Publisher, link: Any, link_error: Any, options: Mapping[str, Any]) -> bool:
+    """Whether something other than the caller waits on this message's own task id: a
+    canvas (a group or chord member, a chain's head) or ``link``/``link_error`` callbacks.
+    Merged into the holder with nothing published, that id would never get a result: the
+    group or chord would never complete, the chain's tail or the callbacks never run."""
+    if not (link or link_error or any(options.get(n) for n in ("group_id", "chord", "chain"))):
+        return False
+    return task._publishes_waited_on_duplicates()
+
+
 class EarlyLock:
     """A queued lock's acquisition sent before Celery builds the message, read at publish."""
 
-    def __init__(self, task: Publisher, key: str, pending: PendingLease) -> None:
+    def __init__(self, task: Publisher, key: str, pending: PendingLease, waited_on: bool) -> None:
         self.task = task
         self.key = key
         self.pending = pending
         self.taken = False  # set once the reply said this message holds the key
+        #: A duplicate is published marked as such, not called off (see :func:`_waited_on`).
+        self.waited_on = waited_on
 
     @property
     def nonce(self) -> str:
@@ -191,7 +215,7 @@ HELD_RECHECK = 1.0
 
 
 def send_queue_lock(
-    task: Publisher, key: str, task_id: str, options: Mapping[str, Any]
+    task: Publisher, key: str, task_id: str, options: Mapping[str, Any], waited_on: bool = False
 ) -> EarlyLock | None:
     """Send the queued lock's acquisition without waiting, where that is possible.
 
@@ -207,7 +231,7 @@ def send_queue_lock(
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
     if pending is None:
         return None
-    early = EarlyLock(task, key, pending)
+    early = EarlyLock(task, key, pending, waited_on)
     _early_locks()[task_id] = early
     return early
 
@@ -233,6 +257,12 @@ def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
     off with :class:`MergedDuplicate` (another task holds the key)."""
     queued = queue_lock(early.task, early.key, headers["id"], {}, early=early)
     if queued.holder_id is not None:
+        if early.waited_on and queued.holder_id != headers["id"]:
+            # Published marked as the holder's duplicate, for the worker to drop (a canvas
+            # member or a call with callbacks: its own id must get a result).
+            headers.pop(HEADER_QUEUED, None)
+            headers[HEADER_DUPLICATE_OF] = queued.holder_id
+            return
         raise MergedDuplicate(queued.holder_id)
 
 

@@ -52,6 +52,7 @@ from celery_dlock.config import check_renew_interval, check_seconds, check_ttl
 from celery_dlock.errors import ConfigError, LockContended, LockLost, LockUnavailable
 from celery_dlock.headers import (
     HEADER_DUPLICATE_OF,
+    HEADER_QUEUED,
     HEADER_REDELIVERED,
     HEADER_REQUEUES,
     HEADER_TICK,
@@ -359,6 +360,12 @@ class SingletonTask(_TaskBase):
         ``options`` are the publish's. A subclass may read it per call (celery-once)."""
         return float(self.lock_queued_ttl)
 
+    def _publishes_waited_on_duplicates(self) -> bool:
+        """Enqueue-time mode: whether a duplicate that a canvas or callbacks wait on is
+        published for the worker to drop (True), rather than answered at publish. A subclass
+        whose duplicates raise at publish instead (celery-once's default) says False."""
+        return True
+
     def _finished(self, task_id: str) -> bool:
         """Whether the result backend holds a final state for ``task_id`` (False if unknown)."""
         if self.ignore_result:
@@ -581,6 +588,11 @@ class SingletonTask(_TaskBase):
 
     # -- enqueue-time mode ---------------------------------------------------------------------
 
+    #: Set on the drop-in classes, whose own ``apply_async`` calls :meth:`_locked_apply_async`:
+    #: a subclass reaching past them (``super(Singleton, self).apply_async(...)``, as with the
+    #: peers, to publish a call that must not be locked) gets Celery's own publish here.
+    _apply_async_is_celerys: ClassVar[bool] = False
+
     def apply_async(
         self,
         args: Any = None,
@@ -597,6 +609,29 @@ class SingletonTask(_TaskBase):
         In execution-time mode, a retry of the running execution releases its key right before
         it is published (see :meth:`retry`).
         """
+        if self._apply_async_is_celerys:
+            # Marked, so that our before_task_publish receiver leaves it unlocked too; the
+            # execution-time lock still keeps its body from running beside another.
+            options["headers"] = {**(options.get("headers") or {}), HEADER_QUEUED: 1}
+            return Task.apply_async(
+                self, args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        return self._locked_apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, **options
+        )
+
+    def _locked_apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """:meth:`apply_async` itself: the drop-in classes call it from their own."""
         if options and not self._peer_options.keys().isdisjoint(options):
             self._refuse_peer_options(
                 {n: options[n] for n in self._peer_options if n in options},

@@ -18,6 +18,7 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, MaxRetriesExceededError, Reject
 
 from celery_dlock import LockLost, SingletonTask, lock_contended, lock_lost
+from celery_dlock.compat import QueueOnce, Singleton
 
 app = Celery(
     "worker_app",
@@ -381,3 +382,47 @@ def seam_payload(self: Any, payload: Any, name: str = "payload") -> str:
     """Keyed on every argument in enqueue-time mode: the publisher's key must be the worker's."""
     _seam(self, name, "return", 0.0)
     return name
+
+
+# -- the publish-shape matrix (tests/test_publish_matrix.py) ------------------------------------
+
+
+@app.task
+def gather(values: Any) -> Any:
+    """A chord's callback, a chain's tail: hands back what it was given."""
+    return values
+
+
+@app.task
+def linked(value: Any, name: str) -> None:
+    """A ``link=`` callback: records that it ran, with the value it was given."""
+    record("linked", name=name, value=value)
+
+
+class OptOutSingleton(Singleton):
+    """Nautobot's pattern: a call that must not be locked goes to Celery's own publish by
+    calling past the drop-in class, ``super(Singleton, self).apply_async(...)``."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if options.pop("unlocked", False):
+            return super(Singleton, self).apply_async(args, kwargs, **options)
+        return super().apply_async(args, kwargs, **options)
+
+
+class OptOutQueueOnce(QueueOnce):
+    """The same past celery-once's class: ``super(QueueOnce, self).apply_async(...)``."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if options.pop("unlocked", False):
+            return super(QueueOnce, self).apply_async(args, kwargs, **options)
+        return super().apply_async(args, kwargs, **options)
+
+
+@app.task(base=OptOutSingleton, bind=True, unique_on=["name"], lock_ttl=2)
+def seam_singleton(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
+
+
+@app.task(base=OptOutQueueOnce, bind=True, once={"keys": ["name"], "graceful": True}, lock_ttl=2)
+def seam_once(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
