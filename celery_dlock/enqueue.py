@@ -227,7 +227,7 @@ def send_queue_lock(
         return None
     if _running_lease(task, key) is not None:
         return None
-    ttl = task._queued_ttl(options) + _delay_of(options)
+    ttl = queued_ttl(task, options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
     if pending is None:
         return None
@@ -336,8 +336,7 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
     :func:`publish`: take its queued lock, or mark it a duplicate of the holder."""
     if not isinstance(body, tuple | list) or len(body) < 2:
         return
-    eta = headers.get("eta")
-    options = {"eta": _parse_eta(eta)} if eta else {}
+    options = {n: _parse_eta(headers[n]) for n in ("eta", "expires") if headers.get(n)}
     try:
         wanted = task.lock_key_for(body[0] or (), body[1] or {})
         queued = queue_lock(task, wanted, headers["id"], options)
@@ -402,7 +401,7 @@ def queue_lock(
     acquisition, already sent.
     """
     manager = task._dlock().manager
-    ttl = task._queued_ttl(options) + _delay_of(options)
+    ttl = queued_ttl(task, options)
     running = None if early is not None else _running_lease(task, key)
     if running is not None:  # published from the body that holds the key
         return _from_running_body(task, manager, running, key, task_id, ttl)
@@ -659,14 +658,41 @@ def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+#: The shortest life of a queued lock: that of a message already expired when published.
+SHORTEST_QUEUED_TTL = 0.01
+
+
+def queued_ttl(task: Publisher, options: Mapping[str, Any]) -> float:
+    """Seconds the queued lock of a message published with ``options`` lives.
+
+    The task's queued lifetime plus any countdown or eta (a datetime or, as Celery also
+    takes it, an ISO 8601 string); but never past the message's ``expires``: a worker
+    discards the message then, and calls published later must not merge into it.
+    """
+    ttl = task._queued_ttl(options) + _delay_of(options)
+    left = _seconds_until(options.get("expires"), relative=True)
+    if left is not None:
+        ttl = min(ttl, left)
+    return max(ttl, SHORTEST_QUEUED_TTL)
+
+
 def _delay_of(options: Mapping[str, Any]) -> float:
     """Seconds until a message with these options may run (countdown or eta)."""
     countdown = options.get("countdown")
     if countdown:
         return max(0.0, float(countdown))
-    eta = options.get("eta")
-    if isinstance(eta, datetime):
-        if eta.tzinfo is None:
-            eta = eta.replace(tzinfo=timezone.utc)
-        return max(0.0, (eta - _utcnow()).total_seconds())
-    return 0.0
+    return max(0.0, _seconds_until(options.get("eta"), relative=False) or 0.0)
+
+
+def _seconds_until(when: Any, *, relative: bool) -> float | None:
+    """Seconds from now until ``when``: a datetime (naive is UTC, as Celery takes it), an ISO
+    8601 string, or with ``relative`` a number of seconds; None when there is none (or it
+    cannot be read: Celery itself refuses such a value when it builds the message)."""
+    if relative and isinstance(when, int | float) and not isinstance(when, bool):
+        return float(when)
+    moment: Any = _parse_eta(when) if isinstance(when, str) else when
+    if not isinstance(moment, datetime):
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return float((moment - _utcnow()).total_seconds())

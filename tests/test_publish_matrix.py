@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,14 @@ class Run:
     name: str
     lock_on: str
     secs: float
+    #: The task of each kind, where the row uses another than :data:`TASKS`'s.
+    tasks: dict[str, str] = field(default_factory=dict)
+    #: What a row's publish keeps for its ``after`` check.
+    kept: dict[str, Any] = field(default_factory=dict)
 
     @property
     def task(self) -> Any:
-        return getattr(self.wa, TASKS[self.lock_on])
+        return getattr(self.wa, self.tasks.get(self.lock_on, TASKS[self.lock_on]))
 
     @property
     def key(self) -> str:
@@ -99,6 +104,8 @@ class Row:
     secs: float = 1.0
     #: What the test waits for once the callers have their answers.
     after: Callable[[Run], None] | None = None
+    #: The task of each kind, where not :data:`TASKS`'s.
+    tasks: dict[str, str] = field(default_factory=dict)
 
     def bodies(self, kind: str) -> tuple[int, int]:
         runs = self.runs.get(kind, 1)
@@ -165,12 +172,107 @@ def opted_out(run: Run) -> list[Any]:
     return results
 
 
+def until(wall: float) -> None:
+    """Wait until the wall clock reads ``wall`` (an eta or expiry is a wall-clock time)."""
+    while time.time() < wall:
+        time.sleep(min(0.02, max(0.0, wall - time.time())))
+
+
+def duplicate(run: Run, **options: Any) -> Any:
+    return run.task.apply_async(run.args(), **options)
+
+
+def countdown(run: Run) -> list[Any]:
+    return [duplicate(run, countdown=0.5)]
+
+
+def eta_aware(run: Run) -> list[Any]:
+    return [duplicate(run, eta=datetime.now(timezone.utc) + timedelta(seconds=0.5))]
+
+
+def eta_naive(run: Run) -> list[Any]:
+    # Celery takes a naive eta as UTC (enable_utc, the default).
+    naive = datetime.now(timezone.utc).replace(tzinfo=None) + timedelta(seconds=0.5)
+    return [duplicate(run, eta=naive)]
+
+
+def eta_iso_string(run: Run) -> list[Any]:
+    # An eta past the queued lock's own life (1 s, seam_enqueued_short): a duplicate
+    # published after that life but before the eta must still merge, not run a second time.
+    published = time.time()
+    eta = datetime.now(timezone.utc) + timedelta(seconds=2.5)
+    first = duplicate(run, eta=eta.isoformat())
+    until(published + 1.5)
+    second = duplicate(run)
+    if run.lock_on == "enqueue":  # the first still waits for its eta: merged into it
+        assert second.id == first.id, "a duplicate during the eta was not merged"
+    return [first, second]
+
+
+def expires_seconds(run: Run) -> list[Any]:
+    return [duplicate(run, expires=60)]
+
+
+def expires_datetime(run: Run) -> list[Any]:
+    return [duplicate(run, expires=datetime.now(timezone.utc) + timedelta(seconds=60))]
+
+
+def expires_passed(run: Run) -> list[Any]:
+    # The first message expires (1 s) before the worker may run it (countdown 2 s), so the
+    # worker discards it; a call published after it expired must run, not merge into it.
+    published = time.time()
+    run.kept["expired"] = duplicate(run, countdown=2.0, expires=1.0)
+    until(published + 1.3)
+    return [duplicate(run)]
+
+
+def expired_discarded(run: Run) -> None:
+    expired = run.kept["expired"]
+    run.journal.wait_for("revoked", id=expired.id, timeout=SLACK)
+    assert run.journal.select("start", id=expired.id) == []
+
+
+def merged_duplicate(run: Run) -> list[Any]:
+    first = running_first(run)
+    return [first, duplicate(run)]
+
+
+def send_task_by_name(run: Run) -> list[Any]:
+    first = running_first(run)
+    return [first, run.wa.app.send_task(run.task.name, run.args())]
+
+
+def signature_apply_async(run: Run) -> list[Any]:
+    first = running_first(run)
+    return [first, run.task.s(*run.args()).apply_async()]
+
+
+def priority(run: Run) -> list[Any]:
+    return [duplicate(run, priority=5)]
+
+
 ALL_KINDS = tuple(TASKS)
 
 ROWS = [
     Row("delay", delay),
     Row("body-republishes-own-id", republish_own, runs={"execute": 2, "enqueue": 2}),
     Row("body-reschedules-itself", reschedule, runs={"execute": 2, "enqueue": 2}),
+    Row("countdown", countdown),
+    Row("eta-datetime-aware", eta_aware),
+    Row("eta-datetime-naive", eta_naive),
+    Row(
+        "eta-iso-string",
+        eta_iso_string,
+        runs={"execute": (1, 2), "enqueue": 1},
+        tasks={"enqueue": "seam_enqueued_short"},
+    ),
+    Row("expires-seconds", expires_seconds),
+    Row("expires-datetime", expires_datetime),
+    Row("expires-passed", expires_passed, after=expired_discarded),
+    Row("priority", priority),
+    Row("duplicate-while-running", merged_duplicate, secs=2.0),
+    Row("send-task-by-name", send_task_by_name, secs=2.0),
+    Row("signature-apply-async", signature_apply_async, secs=2.0),
     Row("group-of-duplicates", group_of_duplicates, lock_on=ALL_KINDS, secs=2.0),
     Row("chord-header-duplicate", chord_with_duplicate, lock_on=ALL_KINDS, secs=2.0),
     Row("chain-head-duplicate", chain_head_duplicate, lock_on=ALL_KINDS, secs=2.0),
@@ -272,7 +374,7 @@ def test_publish_shape(
 ) -> None:
     if mode.name not in row.modes or mode.name not in KIND_MODES[lock_on]:
         pytest.skip(f"{row.id} of {lock_on} is not run on {mode.name}")
-    run = Run(wa, journal, mode, f"pm-{row.id}-{lock_on}-{mode.name}", lock_on, row.secs)
+    run = Run(wa, journal, mode, f"pm-{row.id}-{lock_on}-{mode.name}", lock_on, row.secs, row.tasks)
     fewest, most = row.bodies(lock_on)
     waits = row.publish(run)
     budget = row.secs * max(most, 1) + SLACK

@@ -426,3 +426,16 @@ def seam_singleton(self: Any, name: str, how: str = "return", secs: float = 1.0)
 @app.task(base=OptOutQueueOnce, bind=True, once={"keys": ["name"], "graceful": True}, lock_ttl=2)
 def seam_once(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
     return _seam(self, name, how, secs)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_key="seam:{name}",
+    lock_ttl=2,
+    lock_on="enqueue",
+    lock_queued_ttl=1,
+)
+def seam_enqueued_short(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    """``seam_enqueued`` whose queued lock lives 1 s plus any countdown or eta."""
+    return _seam(self, name, how, secs)
