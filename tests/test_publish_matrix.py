@@ -20,7 +20,10 @@ today), so that another broker is one more parameter there.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,13 +34,15 @@ from typing import Any
 import pytest
 from celery import chain, chord, group
 
+from celery_dlock import admin
 from tests.celery_fixtures import Mode, make_mode, with_db
 from tests.workers import Journal, Worker
 
 pytestmark = [pytest.mark.slow]
 
 MODES = ("single", "redlock5", "zookeeper")
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "singleton.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "singleton.md"
 #: The task of each kind (tests/worker_app.py): ``SingletonTask`` with each ``lock_on``, and
 #: the drop-in classes (both lock at enqueue), each under a subclass that opts calls out.
 TASKS = {
@@ -251,6 +256,33 @@ def priority(run: Run) -> list[Any]:
     return [duplicate(run, priority=5)]
 
 
+def purged_between(run: Run) -> list[Any]:
+    # The first message waits in a queue no worker consumes, and `celery purge` removes it.
+    # Its queued lock (enqueue) is left behind: the operator view shows it as queued, with
+    # the task id it waits on, and the documented way out frees it; then a call runs.
+    first = duplicate(run, queue="pm_nobody")
+    command = [sys.executable, "-m", "celery", "-A", "tests.worker_app", "purge", "-f"]
+    purged = subprocess.run(
+        [*command, "-Q", "pm_nobody"],
+        env={**os.environ, **run.mode.env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert purged.returncode == 0, purged.stderr
+    assert "Purged 1 message" in purged.stdout, purged.stdout
+    left = [info for info in admin.locks(run.wa.app, run.key) if info.key == run.key]
+    if run.lock_on == "execute":
+        assert left == []  # nothing is locked before a worker runs it
+    else:
+        assert [(i.state, i.task_id) for i in left] == [("queued", first.id)], left
+        # `celery dlock purge PREFIX --queued` does this for every key under a prefix.
+        assert admin.release(run.wa.app, run.key, holder=left[0].holder)
+    return [duplicate(run)]
+
+
 ALL_KINDS = tuple(TASKS)
 
 ROWS = [
@@ -273,6 +305,7 @@ ROWS = [
     Row("duplicate-while-running", merged_duplicate, secs=2.0),
     Row("send-task-by-name", send_task_by_name, secs=2.0),
     Row("signature-apply-async", signature_apply_async, secs=2.0),
+    Row("celery-purge-between-calls", purged_between),
     Row("group-of-duplicates", group_of_duplicates, lock_on=ALL_KINDS, secs=2.0),
     Row("chord-header-duplicate", chord_with_duplicate, lock_on=ALL_KINDS, secs=2.0),
     Row("chain-head-duplicate", chain_head_duplicate, lock_on=ALL_KINDS, secs=2.0),
