@@ -283,6 +283,51 @@ def purged_between(run: Run) -> list[Any]:
     return [duplicate(run)]
 
 
+def task_id_new(run: Run) -> list[Any]:
+    return [duplicate(run, task_id=f"{run.name}-own-id")]
+
+
+def task_id_repeated(run: Run) -> list[Any]:
+    # The same task id published again while its first run holds the key: merged at publish
+    # (enqueue), or requeued by the worker until the first run ends, then run (execute).
+    first = run.task.apply_async(run.args(), task_id=f"{run.name}-fixed")
+    run.journal.wait_for("start", id=first.id, timeout=20)
+    again = duplicate(run, task_id=first.id)
+    assert again.id == first.id
+    return [first]
+
+
+def body_retries(run: Run) -> list[Any]:
+    return [run.task.apply_async(run.args("retry"))]
+
+
+def body_replaces(run: Run) -> list[Any]:
+    return [run.task.apply_async(run.args("replace"))]
+
+
+def link_error_of_duplicate(run: Run) -> list[Any]:
+    first = running_first(run)
+    return [first, duplicate(run, link_error=run.wa.linked.s(run.name))]
+
+
+def eager_while_running(run: Run) -> list[Any]:
+    # task_always_eager in the caller (a test suite, say) while a worker runs the same call:
+    # the eager call runs in the caller's process and meets the lock there.
+    first = running_first(run)
+    conf = run.wa.app.conf
+    conf.task_always_eager = True
+    try:
+        eager = duplicate(run)
+    finally:
+        conf.task_always_eager = False
+    return [first, eager]
+
+
+def apply_while_running(run: Run) -> list[Any]:
+    first = running_first(run)
+    return [first, run.task.apply(run.args())]
+
+
 ALL_KINDS = tuple(TASKS)
 
 ROWS = [
@@ -306,6 +351,13 @@ ROWS = [
     Row("send-task-by-name", send_task_by_name, secs=2.0),
     Row("signature-apply-async", signature_apply_async, secs=2.0),
     Row("celery-purge-between-calls", purged_between),
+    Row("task-id-new", task_id_new),
+    Row("task-id-repeated", task_id_repeated, runs={"execute": 2, "enqueue": 1}, secs=2.0),
+    Row("retry", body_retries, runs={"execute": 2, "enqueue": 2}),
+    Row("replace", body_replaces, runs={"execute": 2, "enqueue": 2}),
+    Row("link-error-of-duplicate", link_error_of_duplicate, lock_on=ALL_KINDS, secs=2.0),
+    Row("eager-while-running", eager_while_running, secs=2.0),
+    Row("apply-while-running", apply_while_running, secs=2.0),
     Row("group-of-duplicates", group_of_duplicates, lock_on=ALL_KINDS, secs=2.0),
     Row("chord-header-duplicate", chord_with_duplicate, lock_on=ALL_KINDS, secs=2.0),
     Row("chain-head-duplicate", chain_head_duplicate, lock_on=ALL_KINDS, secs=2.0),

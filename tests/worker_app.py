@@ -322,6 +322,10 @@ def _seam_ending(task: Any, name: str, how: str, secs: float, base: dict[str, An
         # The body schedules its next run (a new task id, the same key) for after it ends.
         again = task.apply_async((name, "return", secs), countdown=secs + 1.0)
         record("rescheduled", **base, new=again.id)
+    if how == "replace":
+        # Replaced by this same call (the same key, the task id inherited): the body ends here.
+        _work(secs)
+        return task.replace(task.s(name, "return", secs))
     if how in ("retry", "retry_nothrow") and request.retries > 0:
         return name  # the retried run
     if how == "retry_nothrow":
