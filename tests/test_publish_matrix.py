@@ -53,9 +53,16 @@ TASKS = {
 }
 LOCK_ONS = ("execute", "enqueue")
 COMPAT = ("singleton", "once")
-#: The lock stores each kind runs on: the drop-in classes share the enqueue-time path, so one
-#: store is enough for them.
-KIND_MODES = {"execute": MODES, "enqueue": MODES, "singleton": ("single",), "once": ("single",)}
+#: The lock stores each kind runs on. Only the enqueue-time path takes the key at publish, so
+#: only it runs on every store; execution-time mode takes nothing until a worker runs the body
+#: (that lock is tested on every store in tests/test_singleton.py), and the drop-in classes
+#: share the enqueue-time path: one store is enough for them.
+KIND_MODES = {
+    "execute": ("single",),
+    "enqueue": MODES,
+    "singleton": ("single",),
+    "once": ("single",),
+}
 #: The docs table's columns, in order.
 COLUMNS = [(kind, m) for kind in TASKS for m in KIND_MODES[kind]]
 #: Seconds a caller may wait beyond the bodies' own run time (a requeue's backoff, a loaded box).
