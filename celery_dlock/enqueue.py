@@ -30,7 +30,8 @@ finds the task by name in the sending app (:func:`register_enqueue_task`, :func:
 headers, which the worker then drops without running the body.
 
 A retry of the running execution publishes through the same path: its key is handed over to
-the retry message (:func:`queue_lock`), unless ``retry(throw=False)`` keeps the body going.
+the retry message as the body ends (:func:`hand_over_at_exit`), unless ``retry(throw=False)``
+keeps the body going.
 Any other publish of the key from the body holding it (its own id again, a reschedule) is
 neither handed the key nor merged into the run in progress: it is published without a queued
 lock and runs once the key is free (:func:`_from_running_body`).
@@ -141,6 +142,7 @@ def publish(
             _unsubscribe(task, task_id)
         return task.AsyncResult(merged.holder_id)
     except BaseException:
+        cancel_hand_over(task_id)
         if early is not None:  # the reply may not have been read: the publish failed first
             key = early.finish_quietly()
         if key is not None and nonce is not None:  # not published: free the key again
@@ -363,8 +365,9 @@ def _parse_eta(eta: Any) -> Any:
 
 #: Per thread: the lease of the execution whose ``retry()`` is under way (``lease``, so that
 #: execution-time mode releases it at the retry's publish), whose ``retry()`` or ``replace()``
-#: hands its key to the message (``handing``, enqueue-time mode), or whose
-#: ``retry(throw=False)`` keeps its key (``keep``, enqueue-time mode).
+#: hands its key to the message (``handing``, enqueue-time mode; ``pending``: the lease and
+#: the queued lock's ttl, handed over as the body ends), or whose ``retry(throw=False)``
+#: keeps its key (``keep``, enqueue-time mode).
 retrying = threading.local()
 
 
@@ -514,8 +517,13 @@ def _from_running_body(
     the task's ``on_duplicate`` policy.
     """
     if running.holder == task_id and getattr(retrying, "handing", None) is running:
-        nonce = manager.hand_over(running, ttl)
-        return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
+        # Handed over when this body has really ended (:func:`hand_over_at_exit`), not now: a
+        # body that catches the Retry and goes on keeps its key, and the message's execution,
+        # finding its own id's run holding it, is requeued until then. The message carries no
+        # nonce: a worker discarding it (revoked) leaves its queued lock to a later duplicate,
+        # which frees the lock of a task it finds REVOKED, or to its ttl.
+        retrying.pending = (running, ttl)
+        return Queued(key, None, None)
     if getattr(retrying, "keep", None) is not running:  # retry(throw=False) says so itself
         same = "its own task id" if running.holder == task_id else f"task {task_id}"
         log.info(
@@ -527,6 +535,28 @@ def _from_running_body(
             key,
         )
     return Queued(None, None)
+
+
+def cancel_hand_over(task_id: str) -> None:
+    """The message of a pending hand-over was not published after all: the key stays."""
+    pending: tuple[Lease, float] | None = getattr(retrying, "pending", None)
+    if pending is not None and pending[0].holder == task_id:
+        retrying.pending = None
+
+
+def hand_over_at_exit(task: Publisher, lease: Lease) -> bool:
+    """As the body of ``lease`` ends: pass its key to its retry's (or replacement's) message
+    if one was published; True if so (the lease is then ended), else the caller releases."""
+    pending: tuple[Lease, float] | None = getattr(retrying, "pending", None)
+    if pending is None or pending[0] is not lease:
+        return False
+    retrying.pending = None
+    try:
+        task._dlock().manager.hand_over(lease, pending[1])
+    except Exception:  # the key then expires, or the message's execution waits for it
+        log_release.exception("could not hand %r over to its retry", lease.key)
+        return False
+    return True
 
 
 def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:

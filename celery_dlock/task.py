@@ -342,8 +342,10 @@ class SingletonTask(_TaskBase):
                 stack.pop()
                 # Not waiting for the nodes' replies: they decide nothing for this task, and
                 # the next task on this process reads them first. A no-op when a retry
-                # already released the lease or handed it over.
-                lease.release(wait=False)
+                # already released the lease. An enqueue-time retry's (or replacement's)
+                # message published by this body gets the key now, as the body has ended.
+                if not enqueue.hand_over_at_exit(self, lease):
+                    lease.release(wait=False)
 
     def _execution_key(self, key: str, request: Any) -> str:
         """The key the execution holds while its body runs: the call's own key. A subclass
@@ -403,7 +405,8 @@ class SingletonTask(_TaskBase):
         publish (in :meth:`apply_async`); the retried run takes it again. When Celery publishes
         nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
         body, whose fallback then still runs under the lock) the key stays held. In
-        enqueue-time mode the key passes to the retry message at that same publish.
+        enqueue-time mode the key passes to the retry message as the body ends (a body that
+        catches ``Retry`` and goes on keeps it until then; the retry's execution waits).
         ``throw=False`` keeps the key in both modes: the body goes on, and the retry waits for it.
         """
         lease = self.lease

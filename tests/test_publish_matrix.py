@@ -308,6 +308,10 @@ def body_retries(run: Run) -> list[Any]:
     return [run.task.apply_async(run.args("retry"))]
 
 
+def body_retries_and_goes_on(run: Run) -> list[Any]:
+    return [run.task.apply_async(run.args("retry_caught"))]
+
+
 def body_replaces(run: Run) -> list[Any]:
     return [run.task.apply_async(run.args("replace"))]
 
@@ -361,6 +365,12 @@ ROWS = [
     Row("task-id-new", task_id_new),
     Row("task-id-repeated", task_id_repeated, runs={"execute": 2, "enqueue": 1}, secs=2.0),
     Row("retry", body_retries, runs={"execute": 2, "enqueue": 2}),
+    Row(
+        "retry-caught-by-the-body",
+        body_retries_and_goes_on,
+        lock_on=("enqueue",),
+        runs={"enqueue": 2},
+    ),
     Row("replace", body_replaces, runs={"execute": 2, "enqueue": 2}),
     Row("link-error-of-duplicate", link_error_of_duplicate, lock_on=ALL_KINDS, secs=2.0),
     Row("eager-while-running", eager_while_running, secs=2.0),

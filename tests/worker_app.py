@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.exceptions import Ignore, MaxRetriesExceededError, Reject
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 
 from celery_dlock import LockLost, SingletonTask, lock_contended, lock_lost
 from celery_dlock.compat import QueueOnce, Singleton
@@ -326,7 +326,15 @@ def _seam_ending(task: Any, name: str, how: str, secs: float, base: dict[str, An
         # Replaced by this same call (the same key, the task id inherited): the body ends here.
         _work(secs)
         return task.replace(task.s(name, "return", secs))
-    if how in ("retry", "retry_nothrow") and request.retries > 0:
+    if how == "retry_caught" and request.retries == 0:
+        # The body catches Celery's Retry and goes on: the retry is published all the same.
+        try:
+            raise task.retry(countdown=0)
+        except Retry:
+            record("retry_caught", **base)
+        _work(secs)
+        return name
+    if how in ("retry", "retry_nothrow", "retry_caught") and request.retries > 0:
         return name  # the retried run
     if how == "retry_nothrow":
         # Celery's throw=False: the retry is published and this body goes on to its end.
