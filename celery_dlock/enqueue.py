@@ -18,8 +18,8 @@ The path of one publish, in the order it runs:
 4. Back in :func:`publish`, ``MergedDuplicate`` becomes the holder's ``AsyncResult``; any
    other failure to publish releases the key again, by the acquisition's nonce.
 
-A duplicate whose own task id something else waits on (a group or chord member, a chain's
-head, a call with ``link``/``link_error``) is not called off: it is published marked as the
+A duplicate whose own task id something else waits on (a group or chord member, a step of a
+chain, a call with ``link``/``link_error``) is not called off: it is published marked as the
 holder's duplicate, and the worker drops it with the drop result, so the canvas completes and
 the callbacks run (:func:`_waited_on`).
 
@@ -158,10 +158,13 @@ def publish(
 
 def _waited_on(task: Publisher, link: Any, link_error: Any, options: Mapping[str, Any]) -> bool:
     """Whether something other than the caller waits on this message's own task id: a
-    canvas (a group or chord member, a chain's head) or ``link``/``link_error`` callbacks.
-    Merged into the holder with nothing published, that id would never get a result: the
-    group or chord would never complete, the chain's tail or the callbacks never run."""
-    if not (link or link_error or any(options.get(n) for n in ("group_id", "chord", "chain"))):
+    canvas (a group or chord member, any step of a chain) or ``link``/``link_error``
+    callbacks. Merged into the holder with nothing published, that id would never get a
+    result: the group or chord would never complete, the chain would stop, the callbacks
+    never run. A chain's later steps are published by the worker with ``chain=`` given,
+    an empty list for the last step, whose id is the chain's result."""
+    canvas = "chain" in options or any(options.get(n) for n in ("group_id", "chord"))
+    if not (canvas or link or link_error):
         return False
     return task._publishes_waited_on_duplicates()
 

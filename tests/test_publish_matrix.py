@@ -167,6 +167,13 @@ def chain_head_duplicate(run: Run) -> list[Any]:
     return [first, chain(run.task.s(*run.args()), run.wa.gather.s()).apply_async()]
 
 
+def chain_tail_duplicate(run: Run) -> list[Any]:
+    # The duplicate is a chain's last step, published by the worker once the step before it
+    # ends: the chain's result is that step's own id.
+    first = running_first(run)
+    return [first, chain(run.wa.gather.si(1), run.task.si(*run.args())).apply_async()]
+
+
 def link_of_duplicate(run: Run) -> list[Any]:
     first = running_first(run)
     return [first, run.task.apply_async(run.args(), link=run.wa.linked.s(run.name))]
@@ -378,6 +385,7 @@ ROWS = [
     Row("group-of-duplicates", group_of_duplicates, lock_on=ALL_KINDS, secs=2.0),
     Row("chord-header-duplicate", chord_with_duplicate, lock_on=ALL_KINDS, secs=2.0),
     Row("chain-head-duplicate", chain_head_duplicate, lock_on=ALL_KINDS, secs=2.0),
+    Row("chain-tail-duplicate", chain_tail_duplicate, lock_on=ALL_KINDS, secs=2.0),
     Row("link-of-duplicate", link_of_duplicate, lock_on=ALL_KINDS, secs=2.0, after=link_ran),
     Row("opt-out-subclass", opted_out, lock_on=COMPAT, runs={"singleton": (1, 3), "once": (1, 3)}),
 ]
