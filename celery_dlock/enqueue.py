@@ -376,9 +376,11 @@ retrying = threading.local()
 
 def _running_lease(task: Publisher, key: str) -> Lease | None:
     """The lease of the execution running in this thread, if it holds ``key``: this publish
-    comes from the body holding the key it wants (a retry, a re-publish, a reschedule)."""
+    comes from the body holding the key it wants (a retry, a re-publish, a reschedule). Not
+    once the body gave it back (``give_back``, celery-singleton's ``unlock`` from the body, to
+    queue its next run): that publish takes the key queued like any other."""
     running = task.lease
-    if running is not None and running.key == key:
+    if running is not None and running.key == key and not running.released:
         return running
     return None
 
