@@ -6,7 +6,7 @@ the app's ``dlock_*`` settings (single Redis, Redlock or ZooKeeper) like the wor
     celery -A proj dlock list [--prefix meta:] [--json]
     celery -A proj dlock show KEY [--json]
     celery -A proj dlock release KEY [--yes] [--json]
-    celery -A proj dlock purge PREFIX [--yes] [--json]
+    celery -A proj dlock purge PREFIX [--queued] [--yes] [--json]
     celery -A proj dlock check [--no-reach]
 
 Each is built on the function of the same name in :mod:`celery_dlock.admin`, which does the
@@ -91,7 +91,7 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
     if not rows:
         ctx.obj.echo("no locks held")
         return
-    columns = ("key", "task", "task_id", "host", "pid", "age", "ttl_left", "fence")
+    columns = ("key", "state", "task", "task_id", "host", "pid", "age", "ttl_left", "fence")
     shown = [[("-" if r[c] is None else printable(str(r[c]))) for c in columns] for r in rows]
     widths = [max(len(c), *(len(s[i]) for s in shown)) for i, c in enumerate(columns)]
     ctx.obj.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
@@ -132,7 +132,8 @@ def dlock(ctx: click.Context) -> None:
 @click.pass_context
 @_plain_errors
 def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
-    """List held locks: key, task, holder, age, time left, fencing token."""
+    """List held locks: key, state (queued, running, held), task, holder, age, time left,
+    fencing token. A queued lock's host and pid are its publisher's."""
     now = time.time()
     rows = [info.as_dict(now) for info in admin.locks(_app(ctx), prefix)]
     if as_json:
@@ -206,40 +207,60 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
     released = admin.release(_app(ctx), key, holder=info.holder)
     if as_json:
         ctx.obj.echo(json.dumps({"key": key, "released": released, "held": True}))
+    elif released and info.holder.queued:
+        ctx.obj.echo(
+            printable(
+                f"released {key!r}, the queued lock of task {info.holder.task_id} (no execution "
+                "holds it: nobody to tell). If that message is still in a queue it runs when a "
+                "worker takes it, unless a later call holds the key by then (it is then dropped, "
+                "its result naming that call)"
+            )
+        )
     elif released and _on_zookeeper(backend_for(_app(ctx))):
-        ctx.obj.echo(f"released {key!r}; its holder is told at once (it watches its lock node)")
+        ctx.obj.echo(
+            printable(f"released {key!r}; its holder is told at once (it watches its lock node)")
+        )
     elif released:
-        ctx.obj.echo(f"released {key!r}; its holder is told at its next renewal")
+        ctx.obj.echo(printable(f"released {key!r}; its holder is told at its next renewal"))
     else:
-        ctx.obj.echo(f"{key!r} changed hands meanwhile; nothing released")
+        ctx.obj.echo(printable(f"{key!r} changed hands meanwhile; nothing released"))
     if not released:
         ctx.exit(1)
 
 
 @dlock.command(name="purge", cls=CeleryCommand)
 @click.argument("prefix")
+@click.option(
+    "--queued",
+    is_flag=True,
+    help="only queued locks (messages not yet running), as after `celery purge`",
+)
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.pass_context
 @_plain_errors
-def purge(ctx: click.Context, prefix: str, yes: bool, as_json: bool) -> None:
-    """Force-release every lock whose key starts with PREFIX."""
+def purge(ctx: click.Context, prefix: str, queued: bool, yes: bool, as_json: bool) -> None:
+    """Force-release every lock whose key starts with PREFIX (with --queued, only the locks of
+    queued messages: a running task keeps its key)."""
     if not prefix:
         raise click.BadParameter("give a non-empty prefix (every key starts with '')", ctx)
     held = [info for info in admin.locks(_app(ctx), prefix) if info.holder is not None]
+    if queued:
+        held = [info for info in held if info.state == "queued"]
+    what = "queued lock(s)" if queued else "lock(s)"
     if not held:
         if as_json:
             ctx.obj.echo(json.dumps({"prefix": prefix, "released": []}))
         else:
-            ctx.obj.echo(f"no locks held under {prefix!r}")
+            ctx.obj.echo(f"no {what} held under {prefix!r}")
         return
-    _confirm(ctx, f"Release {len(held)} lock(s) under {prefix!r}?", yes)
+    _confirm(ctx, f"Release {len(held)} {what} under {prefix!r}?", yes)
     # Only the acquisitions that were listed: one taken since then is not released unasked.
     released = [info.key for info in held if admin.release(_app(ctx), info.key, holder=info.holder)]
     if as_json:
         ctx.obj.echo(json.dumps({"prefix": prefix, "released": released}))
     else:
-        ctx.obj.echo(f"released {len(released)} of {len(held)} lock(s) under {prefix!r}")
+        ctx.obj.echo(f"released {len(released)} of {len(held)} {what} under {prefix!r}")
 
 
 @dlock.command(name="check", cls=CeleryCommand)

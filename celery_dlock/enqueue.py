@@ -18,6 +18,11 @@ The path of one publish, in the order it runs:
 4. Back in :func:`publish`, ``MergedDuplicate`` becomes the holder's ``AsyncResult``; any
    other failure to publish releases the key again, by the acquisition's nonce.
 
+A duplicate whose own task id something else waits on (a group or chord member, a step of a
+chain, a call with ``link``/``link_error``) is not called off: it is published marked as the
+holder's duplicate, and the worker drops it with the drop result, so the canvas completes and
+the callbacks run (:func:`_waited_on`).
+
 Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
 process that did not import the task) reach step 3 with no early acquisition: the receiver
 finds the task by name in the sending app (:func:`register_enqueue_task`, :func:`enqueue_app`) and
@@ -25,7 +30,11 @@ finds the task by name in the sending app (:func:`register_enqueue_task`, :func:
 headers, which the worker then drops without running the body.
 
 A retry of the running execution publishes through the same path: its key is handed over to
-the retry message (:func:`queue_lock`), unless ``retry(throw=False)`` keeps the body going.
+the retry message as the body ends (:func:`hand_over_at_exit`), unless ``retry(throw=False)``
+keeps the body going.
+Any other publish of the key from the body holding it (its own id again, a reschedule) is
+neither handed the key nor merged into the run in progress: it is published without a queued
+lock and runs once the key is free (:func:`_from_running_body`).
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class Publisher(Protocol):
     def lock_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str: ...
     def _dlock(self) -> _Settings: ...
     def _queued_ttl(self, options: Mapping[str, Any]) -> float: ...
+    def _publishes_waited_on_duplicates(self) -> bool: ...
     def _wire_key(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, serializer: Any
     ) -> str: ...
@@ -107,13 +117,19 @@ def publish(
         options["headers"] = headers
         return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
     wanted = task._wire_key(args, kwargs, options.get("serializer"))
-    early = send_queue_lock(task, wanted, task_id, options)
+    waited_on = _waited_on(task, link, link_error, options)
+    early = send_queue_lock(task, wanted, task_id, options, waited_on)
     key: str | None = wanted  # with early: the reply is read in before_task_publish
     nonce = early.nonce if early is not None else None
     if early is None:
         queued = queue_lock(task, wanted, task_id, options)
         if queued.holder_id is not None:
-            return task.AsyncResult(queued.holder_id)
+            if not waited_on or queued.holder_id == task_id:
+                return task.AsyncResult(queued.holder_id)
+            # Part of a canvas, or with callbacks: its own id must get a result. Published
+            # marked as the holder's duplicate, which the worker drops (the drop result).
+            options["headers"] = {**headers, HEADER_DUPLICATE_OF: queued.holder_id}
+            return send(args, kwargs, task_id, producer, link, link_error, shadow, **options)
         key, nonce = queued.key, queued.nonce
     # The message names its queued lock's acquisition, so that a worker discarding it
     # (revoked, expired) frees that lock and nothing else. Marked even without a queued
@@ -126,6 +142,7 @@ def publish(
             _unsubscribe(task, task_id)
         return task.AsyncResult(merged.holder_id)
     except BaseException:
+        cancel_hand_over(task_id)
         if early is not None:  # the reply may not have been read: the publish failed first
             key = early.finish_quietly()
         if key is not None and nonce is not None:  # not published: free the key again
@@ -139,14 +156,29 @@ def publish(
 # -- the acquisition sent before the message is built ------------------------------------------
 
 
+def _waited_on(task: Publisher, link: Any, link_error: Any, options: Mapping[str, Any]) -> bool:
+    """Whether something other than the caller waits on this message's own task id: a
+    canvas (a group or chord member, any step of a chain) or ``link``/``link_error``
+    callbacks. Merged into the holder with nothing published, that id would never get a
+    result: the group or chord would never complete, the chain would stop, the callbacks
+    never run. A chain's later steps are published by the worker with ``chain=`` given,
+    an empty list for the last step, whose id is the chain's result."""
+    canvas = "chain" in options or any(options.get(n) for n in ("group_id", "chord"))
+    if not (canvas or link or link_error):
+        return False
+    return task._publishes_waited_on_duplicates()
+
+
 class EarlyLock:
     """A queued lock's acquisition sent before Celery builds the message, read at publish."""
 
-    def __init__(self, task: Publisher, key: str, pending: PendingLease) -> None:
+    def __init__(self, task: Publisher, key: str, pending: PendingLease, waited_on: bool) -> None:
         self.task = task
         self.key = key
         self.pending = pending
         self.taken = False  # set once the reply said this message holds the key
+        #: A duplicate is published marked as such, not called off (see :func:`_waited_on`).
+        self.waited_on = waited_on
 
     @property
     def nonce(self) -> str:
@@ -188,7 +220,7 @@ HELD_RECHECK = 1.0
 
 
 def send_queue_lock(
-    task: Publisher, key: str, task_id: str, options: Mapping[str, Any]
+    task: Publisher, key: str, task_id: str, options: Mapping[str, Any], waited_on: bool = False
 ) -> EarlyLock | None:
     """Send the queued lock's acquisition without waiting, where that is possible.
 
@@ -198,13 +230,13 @@ def send_queue_lock(
     """
     if time.monotonic() - _held_recently.get(key, -math.inf) < HELD_RECHECK:
         return None
-    if _running_lease(task, key, task_id) is not None:
+    if _running_lease(task, key) is not None:
         return None
-    ttl = task._queued_ttl(options) + _delay_of(options)
+    ttl = queued_ttl(task, options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
     if pending is None:
         return None
-    early = EarlyLock(task, key, pending)
+    early = EarlyLock(task, key, pending, waited_on)
     _early_locks()[task_id] = early
     return early
 
@@ -230,6 +262,12 @@ def settle_early(early: EarlyLock, headers: dict[str, Any]) -> None:
     off with :class:`MergedDuplicate` (another task holds the key)."""
     queued = queue_lock(early.task, early.key, headers["id"], {}, early=early)
     if queued.holder_id is not None:
+        if early.waited_on and queued.holder_id != headers["id"]:
+            # Published marked as the holder's duplicate, for the worker to drop (a canvas
+            # member or a call with callbacks: its own id must get a result).
+            headers.pop(HEADER_QUEUED, None)
+            headers[HEADER_DUPLICATE_OF] = queued.holder_id
+            return
         raise MergedDuplicate(queued.holder_id)
 
 
@@ -303,8 +341,7 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
     :func:`publish`: take its queued lock, or mark it a duplicate of the holder."""
     if not isinstance(body, tuple | list) or len(body) < 2:
         return
-    eta = headers.get("eta")
-    options = {"eta": _parse_eta(eta)} if eta else {}
+    options = {n: _parse_eta(headers[n]) for n in ("eta", "expires") if headers.get(n)}
     try:
         wanted = task.lock_key_for(body[0] or (), body[1] or {})
         queued = queue_lock(task, wanted, headers["id"], options)
@@ -330,15 +367,20 @@ def _parse_eta(eta: Any) -> Any:
 
 
 #: Per thread: the lease of the execution whose ``retry()`` is under way (``lease``, so that
-#: execution-time mode releases it at the retry's publish) or whose ``retry(throw=False)``
+#: execution-time mode releases it at the retry's publish), whose ``retry()`` or ``replace()``
+#: hands its key to the message (``handing``, enqueue-time mode; ``pending``: the lease and
+#: the queued lock's ttl, handed over as the body ends), or whose ``retry(throw=False)``
 #: keeps its key (``keep``, enqueue-time mode).
 retrying = threading.local()
 
 
-def _running_lease(task: Publisher, key: str, task_id: str) -> Lease | None:
-    """The lease of the running execution this publish is a retry (or re-publish) of."""
+def _running_lease(task: Publisher, key: str) -> Lease | None:
+    """The lease of the execution running in this thread, if it holds ``key``: this publish
+    comes from the body holding the key it wants (a retry, a re-publish, a reschedule). Not
+    once the body gave it back (``give_back``, celery-singleton's ``unlock`` from the body, to
+    queue its next run): that publish takes the key queued like any other."""
     running = task.lease
-    if running is not None and running.key == key and running.holder == task_id:
+    if running is not None and running.key == key and not running.released:
         return running
     return None
 
@@ -367,10 +409,10 @@ def queue_lock(
     acquisition, already sent.
     """
     manager = task._dlock().manager
-    ttl = task._queued_ttl(options) + _delay_of(options)
-    running = None if early is not None else _running_lease(task, key, task_id)
-    if running is not None:  # a retry of the running execution: the key goes with the message
-        return _pass_to_retry(manager, running, key, ttl)
+    ttl = queued_ttl(task, options)
+    running = None if early is not None else _running_lease(task, key)
+    if running is not None:  # published from the body that holds the key
+        return _from_running_body(task, manager, running, key, task_id, ttl)
     first = early.pending if early is not None else None
     looks = _Looks()
     while True:
@@ -466,13 +508,60 @@ def _unlocked(task: Publisher, task_id: str, why: object) -> Queued:
     return Queued(None, None)
 
 
-def _pass_to_retry(manager: Backend, running: Lease, key: str, ttl: float) -> Queued:
-    """The retry of the execution running in this thread is being published: its key passes
-    to the retry's message, unless the body goes on (``retry(throw=False)``)."""
-    if getattr(retrying, "keep", None) is running:
-        return Queued(None, None)
-    nonce = manager.hand_over(running, ttl)
-    return Queued(key, None, nonce) if nonce is not None else Queued(None, None)
+def _from_running_body(
+    task: Publisher, manager: Backend, running: Lease, key: str, task_id: str, ttl: float
+) -> Queued:
+    """A message for ``key`` published by the body whose execution holds ``key``.
+
+    Its own retry (``retry()``, ``replace()``, which end the body at once): the key passes
+    to the message without a gap. Anything else leaves the body running, so the key stays
+    with it, and the message is not merged into the run in progress either (that run is not
+    "queued": the call would be lost): it is published without a queued lock, and its
+    execution meets the key like any other. The same task id waits for this run to end
+    (requeued with backoff until the key frees); a new id, run before this one ends, meets
+    the task's ``on_duplicate`` policy.
+    """
+    if running.holder == task_id and getattr(retrying, "handing", None) is running:
+        # Handed over when this body has really ended (:func:`hand_over_at_exit`), not now: a
+        # body that catches the Retry and goes on keeps its key, and the message's execution,
+        # finding its own id's run holding it, is requeued until then. The message carries no
+        # nonce: a worker discarding it (revoked) leaves its queued lock to a later duplicate,
+        # which frees the lock of a task it finds REVOKED, or to its ttl.
+        retrying.pending = (running, ttl)
+        return Queued(key, None, None)
+    if getattr(retrying, "keep", None) is not running:  # retry(throw=False) says so itself
+        same = "its own task id" if running.holder == task_id else f"task {task_id}"
+        log.info(
+            "task %s[%s] publishes %s for %r, the key it holds: not merged into the run in "
+            "progress; published without a queued lock, it runs when the key is free",
+            task.name,
+            running.holder,
+            same,
+            key,
+        )
+    return Queued(None, None)
+
+
+def cancel_hand_over(task_id: str) -> None:
+    """The message of a pending hand-over was not published after all: the key stays."""
+    pending: tuple[Lease, float] | None = getattr(retrying, "pending", None)
+    if pending is not None and pending[0].holder == task_id:
+        retrying.pending = None
+
+
+def hand_over_at_exit(task: Publisher, lease: Lease) -> bool:
+    """As the body of ``lease`` ends: pass its key to its retry's (or replacement's) message
+    if one was published; True if so (the lease is then ended), else the caller releases."""
+    pending: tuple[Lease, float] | None = getattr(retrying, "pending", None)
+    if pending is None or pending[0] is not lease:
+        return False
+    retrying.pending = None
+    try:
+        task._dlock().manager.hand_over(lease, pending[1])
+    except Exception:  # the key then expires, or the message's execution waits for it
+        log_release.exception("could not hand %r over to its retry", lease.key)
+        return False
+    return True
 
 
 def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
@@ -604,14 +693,41 @@ def _utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+#: The shortest life of a queued lock: that of a message already expired when published.
+SHORTEST_QUEUED_TTL = 0.01
+
+
+def queued_ttl(task: Publisher, options: Mapping[str, Any]) -> float:
+    """Seconds the queued lock of a message published with ``options`` lives.
+
+    The task's queued lifetime plus any countdown or eta (a datetime or, as Celery also
+    takes it, an ISO 8601 string); but never past the message's ``expires``: a worker
+    discards the message then, and calls published later must not merge into it.
+    """
+    ttl = task._queued_ttl(options) + _delay_of(options)
+    left = _seconds_until(options.get("expires"), relative=True)
+    if left is not None:
+        ttl = min(ttl, left)
+    return max(ttl, SHORTEST_QUEUED_TTL)
+
+
 def _delay_of(options: Mapping[str, Any]) -> float:
     """Seconds until a message with these options may run (countdown or eta)."""
     countdown = options.get("countdown")
     if countdown:
         return max(0.0, float(countdown))
-    eta = options.get("eta")
-    if isinstance(eta, datetime):
-        if eta.tzinfo is None:
-            eta = eta.replace(tzinfo=timezone.utc)
-        return max(0.0, (eta - _utcnow()).total_seconds())
-    return 0.0
+    return max(0.0, _seconds_until(options.get("eta"), relative=False) or 0.0)
+
+
+def _seconds_until(when: Any, *, relative: bool) -> float | None:
+    """Seconds from now until ``when``: a datetime (naive is UTC, as Celery takes it), an ISO
+    8601 string, or with ``relative`` a number of seconds; None when there is none (or it
+    cannot be read: Celery itself refuses such a value when it builds the message)."""
+    if relative and isinstance(when, int | float) and not isinstance(when, bool):
+        return float(when)
+    moment: Any = _parse_eta(when) if isinstance(when, str) else when
+    if not isinstance(moment, datetime):
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return float((moment - _utcnow()).total_seconds())

@@ -210,6 +210,17 @@ class LockInfo:
         """The id of the task holding the key (None when free, or held outside a task)."""
         return self.holder.task_id if self.holder is not None else None
 
+    @property
+    def state(self) -> str | None:
+        """``"queued"``: a published message's lock (enqueue-time mode), which no execution
+        holds yet; ``"running"``: a task's execution holds it; ``"held"``: a holder outside a
+        task (``lock()``, beat); None when free."""
+        if self.holder is None:
+            return None
+        if self.holder.queued:
+            return "queued"
+        return "running" if self.holder.task_id else "held"
+
     def as_dict(self, now: float | None = None) -> dict[str, Any]:
         """The fields the operator command prints; ``now`` (wall seconds) dates ``age``."""
         holder = self.holder
@@ -217,6 +228,7 @@ class LockInfo:
         return {
             "key": self.key,
             "held": holder is not None,
+            "state": self.state,
             "task": holder.task if holder else None,
             "task_id": holder.task_id if holder else None,
             "host": holder.host if holder else None,

@@ -59,6 +59,7 @@ from celery_dlock.errors import (
 )
 from celery_dlock.headers import (
     HEADER_DUPLICATE_OF,
+    HEADER_QUEUED,
     HEADER_REDELIVERED,
     HEADER_REQUEUES,
     HEADER_TICK,
@@ -355,8 +356,10 @@ class SingletonTask(_TaskBase):
                 stack.pop()
                 # Not waiting for the nodes' replies: they decide nothing for this task, and
                 # the next task on this process reads them first. A no-op when a retry
-                # already released the lease or handed it over.
-                lease.release(wait=False)
+                # already released the lease. An enqueue-time retry's (or replacement's)
+                # message published by this body gets the key now, as the body has ended.
+                if not enqueue.hand_over_at_exit(self, lease):
+                    lease.release(wait=False)
 
     def _execution_key(self, key: str, request: Any) -> str:
         """The key the execution holds while its body runs: the call's own key. A subclass
@@ -372,6 +375,12 @@ class SingletonTask(_TaskBase):
         """Seconds a queued message's lock lives (enqueue-time mode), before any countdown;
         ``options`` are the publish's. A subclass may read it per call (celery-once)."""
         return float(self.lock_queued_ttl)
+
+    def _publishes_waited_on_duplicates(self) -> bool:
+        """Enqueue-time mode: whether a duplicate that a canvas or callbacks wait on is
+        published for the worker to drop (True), rather than answered at publish. A subclass
+        whose duplicates raise at publish instead (celery-once's default) says False."""
+        return True
 
     def _finished(self, task_id: str) -> bool:
         """Whether the result backend holds a final state for ``task_id`` (False if unknown)."""
@@ -410,7 +419,8 @@ class SingletonTask(_TaskBase):
         publish (in :meth:`apply_async`); the retried run takes it again. When Celery publishes
         nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
         body, whose fallback then still runs under the lock) the key stays held. In
-        enqueue-time mode the key passes to the retry message at that same publish.
+        enqueue-time mode the key passes to the retry message as the body ends (a body that
+        catches ``Retry`` and goes on keeps it until then; the retry's execution waits).
         ``throw=False`` keeps the key in both modes: the body goes on, and the retry waits for it.
         """
         lease = self.lease
@@ -423,6 +433,9 @@ class SingletonTask(_TaskBase):
         keeping = lease is not None and not throw and self.lock_on == "enqueue"
         if keeping:
             enqueue.retrying.keep = lease
+        handing = lease is not None and throw and self.lock_on == "enqueue"
+        if handing:
+            enqueue.retrying.handing = lease
         try:
             return super().retry(
                 args=args,
@@ -439,6 +452,21 @@ class SingletonTask(_TaskBase):
                 enqueue.retrying.lease = None
             if keeping:
                 enqueue.retrying.keep = None
+            if handing:
+                enqueue.retrying.handing = None
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's ``replace``; in enqueue-time mode a replacement of this same call (same
+        task id and key) is handed the key without a gap, as a retry is: the body ends here."""
+        lease = self.lease
+        handing = lease is not None and self.lock_on == "enqueue"
+        if handing:
+            enqueue.retrying.handing = lease
+        try:
+            return super().replace(sig)
+        finally:
+            if handing:
+                enqueue.retrying.handing = None
 
     # -- duplicates ----------------------------------------------------------------------------
 
@@ -577,6 +605,11 @@ class SingletonTask(_TaskBase):
 
     # -- enqueue-time mode ---------------------------------------------------------------------
 
+    #: Set on the drop-in classes, whose own ``apply_async`` calls :meth:`_locked_apply_async`:
+    #: a subclass reaching past them (``super(Singleton, self).apply_async(...)``, as with the
+    #: peers, to publish a call that must not be locked) gets Celery's own publish here.
+    _apply_async_is_celerys: ClassVar[bool] = False
+
     def apply_async(
         self,
         args: Any = None,
@@ -593,6 +626,29 @@ class SingletonTask(_TaskBase):
         In execution-time mode, a retry of the running execution releases its key right before
         it is published (see :meth:`retry`).
         """
+        if self._apply_async_is_celerys:
+            # Marked, so that our before_task_publish receiver leaves it unlocked too; the
+            # execution-time lock still keeps its body from running beside another.
+            options["headers"] = {**(options.get("headers") or {}), HEADER_QUEUED: 1}
+            return Task.apply_async(
+                self, args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        return self._locked_apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, **options
+        )
+
+    def _locked_apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """:meth:`apply_async` itself: the drop-in classes call it from their own."""
         if options and not self._peer_options.keys().isdisjoint(options):
             self._refuse_peer_options(
                 {n: options[n] for n in self._peer_options if n in options},

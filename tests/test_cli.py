@@ -162,6 +162,59 @@ def test_purge_releases_a_prefix_and_nothing_else(urls: list[str], manager: Lock
             lease.release()
 
 
+def test_queued_locks_are_shown_as_queued_and_freed_apart(
+    urls: list[str], manager: LockManager
+) -> None:
+    # A message's queued lock (enqueue-time mode) whose message will never run: purged from
+    # the broker, routed to a queue nobody consumes, or its publisher killed before sending.
+    task = cli_app.replicate
+    queued = manager.acquire(
+        "meta:crm:queued", ttl=30, holder="task-q", sender=task, renew=False, queued=True
+    )
+    running = manager.acquire("meta:crm:running", ttl=30, holder="task-r", sender=task, renew=False)
+    plain = manager.acquire("meta:crm:plain", ttl=30, holder=None, renew=False)
+    try:
+        listed = dlock(urls, "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        rows = {r["key"]: r for r in map(json.loads, listed.stdout.splitlines())}
+        assert rows["meta:crm:queued"]["state"] == "queued"
+        assert rows["meta:crm:queued"]["task_id"] == "task-q"
+        assert 0 <= rows["meta:crm:queued"]["age"] < 30
+        assert rows["meta:crm:running"]["state"] == "running"
+        assert rows["meta:crm:plain"]["state"] == "held"
+
+        table = dlock(urls, "list", "--prefix", "meta:crm:")
+        assert table.returncode == 0, table.stderr
+        header, *lines = table.stdout.splitlines()[1:]
+        assert header.split()[:3] == ["key", "state", "task"], header
+        states = {line.split()[0]: line.split()[1] for line in lines if line.startswith("meta:")}
+        assert states == {
+            "meta:crm:queued": "queued",
+            "meta:crm:running": "running",
+            "meta:crm:plain": "held",
+        }
+
+        # The way out: release only the queued locks under a prefix; the running one stays.
+        done = dlock(urls, "purge", "meta:crm:", "--queued", "--yes", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["released"] == ["meta:crm:queued"]
+        assert manager.holder("meta:crm:queued") is None
+        assert manager.holder("meta:crm:running") is not None
+
+        again = manager.acquire(
+            "meta:crm:queued", ttl=30, holder="task-q2", sender=task, renew=False, queued=True
+        )
+        released = dlock(urls, "release", "meta:crm:queued", "--yes")
+        assert released.returncode == 0, released.stderr
+        # Nobody runs under a queued lock: there is no holder to tell.
+        assert "next renewal" not in released.stdout
+        assert "queued lock of task task-q2" in released.stdout
+        manager.forget(again)
+    finally:
+        for lease in (queued, running, plain):
+            lease.release()
+
+
 @pytest.mark.local_redis
 def test_passwords_in_urls_are_never_printed() -> None:
     with RedisServer(extra_args=["--requirepass", "s3cret-pw"]) as server:

@@ -15,9 +15,10 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery.exceptions import Ignore, MaxRetriesExceededError, Reject
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject, Retry
 
 from celery_dlock import LockLost, SingletonTask, lock_contended, lock_lost
+from celery_dlock.compat import QueueOnce, Singleton
 
 app = Celery(
     "worker_app",
@@ -313,7 +314,27 @@ def _seam_ending(task: Any, name: str, how: str, secs: float, base: dict[str, An
             record("fallback", **base, lost=lease.lost, released=lease.released)
             _work(secs)
             return "fallback"
-    if how in ("retry", "retry_nothrow") and request.retries > 0:
+    if how == "republish_own":
+        # "Run me again" without retry(): the body publishes its own task id, and goes on.
+        task.apply_async((name, "return", secs), task_id=request.id)
+        record("republished", **base)
+    if how == "reschedule":
+        # The body schedules its next run (a new task id, the same key) for after it ends.
+        again = task.apply_async((name, "return", secs), countdown=secs + 1.0)
+        record("rescheduled", **base, new=again.id)
+    if how == "replace":
+        # Replaced by this same call (the same key, the task id inherited): the body ends here.
+        _work(secs)
+        return task.replace(task.s(name, "return", secs))
+    if how == "retry_caught" and request.retries == 0:
+        # The body catches Celery's Retry and goes on: the retry is published all the same.
+        try:
+            raise task.retry(countdown=0)
+        except Retry:
+            record("retry_caught", **base)
+        _work(secs)
+        return name
+    if how in ("retry", "retry_nothrow", "retry_caught") and request.retries > 0:
         return name  # the retried run
     if how == "retry_nothrow":
         # Celery's throw=False: the retry is published and this body goes on to its end.
@@ -373,3 +394,60 @@ def seam_payload(self: Any, payload: Any, name: str = "payload") -> str:
     """Keyed on every argument in enqueue-time mode: the publisher's key must be the worker's."""
     _seam(self, name, "return", 0.0)
     return name
+
+
+# -- the publish-shape matrix (tests/test_publish_matrix.py) ------------------------------------
+
+
+@app.task
+def gather(values: Any) -> Any:
+    """A chord's callback, a chain's tail: hands back what it was given."""
+    return values
+
+
+@app.task
+def linked(value: Any, name: str) -> None:
+    """A ``link=`` callback: records that it ran, with the value it was given."""
+    record("linked", name=name, value=value)
+
+
+class OptOutSingleton(Singleton):
+    """Nautobot's pattern: a call that must not be locked goes to Celery's own publish by
+    calling past the drop-in class, ``super(Singleton, self).apply_async(...)``."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if options.pop("unlocked", False):
+            return super(Singleton, self).apply_async(args, kwargs, **options)
+        return super().apply_async(args, kwargs, **options)
+
+
+class OptOutQueueOnce(QueueOnce):
+    """The same past celery-once's class: ``super(QueueOnce, self).apply_async(...)``."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if options.pop("unlocked", False):
+            return super(QueueOnce, self).apply_async(args, kwargs, **options)
+        return super().apply_async(args, kwargs, **options)
+
+
+@app.task(base=OptOutSingleton, bind=True, unique_on=["name"], lock_ttl=2)
+def seam_singleton(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
+
+
+@app.task(base=OptOutQueueOnce, bind=True, once={"keys": ["name"], "graceful": True}, lock_ttl=2)
+def seam_once(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    return _seam(self, name, how, secs)
+
+
+@app.task(
+    base=SingletonTask,
+    bind=True,
+    lock_key="seam:{name}",
+    lock_ttl=2,
+    lock_on="enqueue",
+    lock_queued_ttl=1,
+)
+def seam_enqueued_short(self: Any, name: str, how: str = "return", secs: float = 1.0) -> Any:
+    """``seam_enqueued`` whose queued lock lives 1 s plus any countdown or eta."""
+    return _seam(self, name, how, secs)

@@ -286,7 +286,7 @@ class QueueOnce(PeerTask):
                     not held_by_own_id(self, args, kwargs, options, explicit_id)
                     and eager_holder(self, args, kwargs, options) is None
                 ):
-                    result = super().apply_async(
+                    result = self._locked_apply_async(
                         args, kwargs, task_id, producer, link, link_error, shadow, **options
                     )
                     if result.id == task_id:
@@ -302,6 +302,13 @@ class QueueOnce(PeerTask):
         if graceful:
             return EagerResult(None, None, states.REJECTED)  # type: ignore[arg-type]
         raise AlreadyQueued(self._countdown(args, kwargs, options))
+
+    def _publishes_waited_on_duplicates(self) -> bool:
+        # graceful: a canvas member or a call with callbacks is published for the worker to
+        # drop (celery-once's REJECTED EagerResult has no id a canvas could wait on); else
+        # the duplicate raises AlreadyQueued at publish, as with celery-once.
+        call: Mapping[str, Any] = getattr(_call, "once", None) or {}
+        return bool(call.get("graceful", self.once.get("graceful", False)))
 
     def _countdown(self, args: Any, kwargs: Any, options: Mapping[str, Any]) -> float:
         """Seconds until the holder's key expires unless renewed; 0 when unknown (freed

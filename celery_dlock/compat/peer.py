@@ -22,6 +22,9 @@ class PeerTask(SingletonTask):
     """
 
     lock_on = "enqueue"
+    #: The subclass's own ``apply_async`` locks; past it, Celery's own publish (the peers'
+    #: ``super(Singleton, self).apply_async(...)`` opt-out).
+    _apply_async_is_celerys = True
     #: The peer's key method and ``call(method, task, args, kwargs)``; see :func:`key_method`.
     _key_method: ClassVar[tuple[str, Callable[..., Any]] | None] = None
     #: A subclass defines its own ``__call__``: see :func:`free_leftover`.

@@ -239,7 +239,7 @@ class Singleton(PeerTask):
             holder = eager_holder(self, args, kwargs, options)
         task_id = task_id or uuid()
         if holder is None:
-            result = super().apply_async(
+            result = self._locked_apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
             if result.id == task_id:
