@@ -1,6 +1,7 @@
 """The in-process backend (``memory://``) beyond the shared contract
-(tests/test_backend_contract.py): freezegun moving its leases to expiry, its URL, and its refusals where it cannot keep its
-promise (a prefork worker of several processes, a process forked after the table's first use).
+(tests/test_backend_contract.py): freezegun moving its leases to expiry, its URL, and its
+refusals where it cannot keep its promise (a prefork worker of several processes, a process
+forked after the table's first use).
 """
 
 from __future__ import annotations
