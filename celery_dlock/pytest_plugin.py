@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from celery_dlock.clock import real_clock
 from celery_dlock.holder import Holder
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
@@ -125,9 +126,9 @@ class DLock:
     ) -> None:
         """Poll ``check`` every 10 ms until it is true; AssertionError after ``timeout``
         seconds (of real time, also under a frozen clock)."""
-        end = _real() + timeout
+        end = real_clock() + timeout
         while not check():
-            if _real() >= end:
+            if real_clock() >= end:
                 raise AssertionError(f"not within {timeout:g} s: {what}")
             time.sleep(0.01)
 
@@ -160,12 +161,6 @@ class _Beat:
     def __init__(self, app: Any, scheduler: Any) -> None:
         self.app = app
         self.scheduler = scheduler
-
-
-def _real() -> float:
-    """A clock freezegun does not stop (see celery_dlock.memory.lock.real_clock)."""
-    getter = getattr(time, "clock_gettime", None)
-    return float(getter(time.CLOCK_MONOTONIC)) if getter is not None else time.perf_counter()
 
 
 @pytest.fixture(scope="session")

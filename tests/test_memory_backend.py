@@ -18,8 +18,8 @@ from celery import Celery
 from freezegun import freeze_time
 
 from celery_dlock import ConfigError, LockContended, LockLost, lock
+from celery_dlock.clock import real_clock
 from celery_dlock.memory import check_worker, store
-from celery_dlock.memory.lock import real_clock
 
 _tables = itertools.count()
 

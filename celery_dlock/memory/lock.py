@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from celery_dlock.clock import real_clock
 from celery_dlock.config import (
     Settings,
     check_key,
@@ -43,16 +44,6 @@ log_release = logging.getLogger("celery_dlock.release")
 #: Longest real time a waiter sleeps before looking at the clock again (a test may have moved
 #: it past the holder's expiry or the wait's end); a release wakes the first waiter at once.
 LOOK_EVERY = 0.05
-
-
-def real_clock() -> float:
-    """Seconds on a clock no test library replaces (``CLOCK_MONOTONIC`` read directly):
-    freezegun patches ``time.monotonic`` but not ``time.clock_gettime``."""
-    return time.clock_gettime(time.CLOCK_MONOTONIC)
-
-
-if not hasattr(time, "clock_gettime"):  # pragma: no cover - Windows
-    real_clock = time.perf_counter
 
 
 def _task_name(sender: Any) -> str | None:
