@@ -30,5 +30,26 @@ def test_the_example_project_passes(store: str, tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    expected = "7 passed" if store == "memory" else "6 passed, 1 skipped"
+    expected = "8 passed" if store == "memory" else "7 passed, 1 skipped"
     assert expected in done.stdout, done.stdout[-2000:]
+
+
+def test_the_docs_page_shows_the_projects_files_as_they_are() -> None:
+    """Every ``<!-- test: project FILE -->`` block of docs/testing.md is that file of
+    examples/testing_project, whole, so what the page shows is what the project runs."""
+    import re
+
+    page = (PROJECT.parent.parent / "docs" / "testing.md").read_text()
+    blocks = re.findall(r"<!-- test: project (\S+) -->\s*```python\n(.*?)```", page, re.S)
+    assert {name for name, _ in blocks} == {
+        "shop/tasks.py",
+        "tests/conftest.py",
+        "tests/test_duplicates.py",
+        "tests/test_worker.py",
+        "tests/test_beat.py",
+        "tests/test_crash.py",
+        "tests/test_dropin.py",
+    }
+    for name, code in blocks:
+        assert code == (PROJECT / name).read_text(), name
+    assert "```python" not in re.sub(r"<!-- test: project \S+ -->\s*```python", "", page)

@@ -9,6 +9,7 @@ from typing import Any
 from celery import shared_task
 
 from celery_dlock import SingletonTask
+from celery_dlock.compat import QueueOnce
 
 
 @shared_task(base=SingletonTask, bind=True, lock_key="stock:{sku}", lock_ttl=30)
@@ -26,3 +27,9 @@ def recount_stock(self: Any, sku: str, pause: float = 0.0) -> int:
 def nightly_report(self: Any) -> str:
     """Beat sends it; a second beat's send of the same run is dropped."""
     return f"report {self.request.id}"
+
+
+@shared_task(base=QueueOnce, once={"graceful": False})
+def send_invoice(order_id: int) -> str:
+    """A task still on celery-once's interface (``celery_dlock.compat.QueueOnce``)."""
+    return f"invoice {order_id}"
