@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
+from celery._state import _set_task_join_will_block
 from freezegun import freeze_time
 
 from celery_dlock import ConfigError, LockContended, LockLost, lock
@@ -112,10 +113,14 @@ def test_check_worker(pool: str, concurrency: object, refused: bool) -> None:
 def test_a_prefork_worker_of_two_processes_is_refused_at_start(url: str) -> None:
     app = Celery("refused", broker="memory://", set_as_current=False)
     app.conf.dlock_urls = [url]
-    with pytest.raises(SystemExit, match=r"ConfigError.*prefork pool of 2") as refused:
-        app.WorkController(pool="prefork", concurrency=2)
-    assert isinstance(refused.value.__cause__, ConfigError)
-    app.WorkController(pool="solo", concurrency=1)  # one process: accepted
+    try:
+        with pytest.raises(SystemExit, match=r"ConfigError.*prefork pool of 2") as refused:
+            app.WorkController(pool="prefork", concurrency=2)
+        assert isinstance(refused.value.__cause__, ConfigError)
+        app.WorkController(pool="solo", concurrency=1)  # one process: accepted
+    finally:
+        # A worker made in this thread marks it as a worker's (result.get() then refuses).
+        _set_task_join_will_block(False)
 
 
 def test_a_real_prefork_worker_exits_with_the_message(tmp_path: Path) -> None:
