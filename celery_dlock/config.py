@@ -169,6 +169,7 @@ BACKENDS: dict[str, str] = {
     "unix": "celery_dlock.redis",
     "zookeeper": "celery_dlock.zookeeper",
     "zookeepers": "celery_dlock.zookeeper",  # TLS
+    "memory": "celery_dlock.memory",  # in-process, for tests
 }
 DEFAULT_BACKEND = "celery_dlock.redis"
 #: The pip extra that brings a backend's client library (``pip install celery-dlock[...]``).

@@ -19,6 +19,9 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 * ``celeryd_after_setup`` (worker parent, before it consumes): a lock configuration that can
   never work (a wrong scheme, a misspelt ``dlock_*`` setting, a bad value) stops the worker
   with exit status 1, each problem logged, instead of a worker that fails every SingletonTask.
+* ``worker_init`` (worker parent, before the pool starts): a lock store that cannot serve
+  this worker's pool refuses it (``memory://`` and a prefork pool of several processes):
+  the worker exits with the :class:`ConfigError`'s message instead of running unguarded.
 * ``worker_ready`` (worker parent): one line saying where the locks are, or one warning when
   the lock nodes cannot be reached, instead of every task finding out by itself and being
   requeued for minutes. An unreachable node may come back: the worker runs on.
@@ -35,13 +38,16 @@ from celery.signals import (
     before_task_publish,
     celeryd_after_setup,
     task_revoked,
+    worker_init,
     worker_process_shutdown,
     worker_ready,
 )
 
 from celery_dlock import admin, children
 from celery_dlock.beat import Tick, current_tick, mark_send
+from celery_dlock.config import backend_module
 from celery_dlock.enqueue import enqueue_app, lock_unlabelled, settle_early, take_early
+from celery_dlock.errors import ConfigError
 from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, REQUEUE_HEADERS
 from celery_dlock.renewal import watchdog
 from celery_dlock.task import SingletonTask
@@ -223,3 +229,31 @@ def say_where_locks_are(sender: Any = None, **_: Any) -> None:
         )
     problems = "; ".join(p.rstrip(".") for p in report.problems)
     log_start.warning("celery_dlock: %s. So %s.", problems, effect)
+
+
+@worker_init.connect
+def refuse_unfit_pool(sender: Any = None, **_: Any) -> None:
+    """Ask the backend of the worker's ``dlock_urls`` whether it can serve this pool (a
+    backend module's optional ``check_worker(urls, pool, concurrency)``); exit if not.
+
+    Celery logs and swallows a receiver's exception, so a ``ConfigError`` alone would let the
+    worker run its tasks unguarded: the refusal is a ``SystemExit`` carrying its message.
+    """
+    app = getattr(sender, "app", None)
+    urls = app.conf.get("dlock_urls") if app is not None else None
+    if not urls:
+        return  # the broker's Redis, or no settings: every pool is fine
+    urls = [urls] if isinstance(urls, str) else urls
+    try:
+        check = getattr(backend_module(urls), "check_worker", None)
+    except Exception:  # bad settings: worker_ready reports them
+        return
+    if check is None:
+        return
+    pool = getattr(sender, "pool_cls", None)
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "") or ""
+    try:
+        check(urls, name, getattr(sender, "concurrency", None))
+    except ConfigError as exc:
+        log_start.critical("celery_dlock: %s", exc)
+        raise SystemExit(f"celery_dlock: ConfigError: {exc}") from exc

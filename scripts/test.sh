@@ -60,6 +60,10 @@ for arg in "$@"; do
             ;;
     esac
 done
+# A user's project (examples/testing_project): the built wheel in a fresh virtualenv with
+# pytest-celery and freezegun, its tests on memory:// and on the plugin's throwaway Redis.
+echo "== examples/testing_project (the built wheel, in a fresh virtualenv)"
+PYTHON="$py" "$repo/scripts/test_example_project.sh"
 # The oldest Celery pyproject.toml allows, for what depends on Celery's version: beat's
 # schedule arithmetic (tick keys), which changed in 5.7. A second virtualenv, made once. It also
 # holds the oldest redis-py pyproject.toml allows (redis>=5.0): the lock tests run on it.

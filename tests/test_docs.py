@@ -117,10 +117,11 @@ def test_examples_run(
     try:
         for number, block in enumerate(blocks, 1):
             mark = block.group("mark") or ""
-            if mark.startswith(("topology", "quickstart", "django")):
+            if mark.startswith(("topology", "quickstart", "django", "project")):
                 # Needs a Sentinel group or a cluster (run by that topology's tests), or is a
-                # file of the quick start (tests/test_quickstart.py runs it as written) or of
-                # the Django example (tests/test_django.py runs it with Django).
+                # file of the quick start (tests/test_quickstart.py runs it as written), of
+                # the Django example (tests/test_django.py runs it with Django) or of
+                # examples/testing_project (tests/test_testing_project.py checks and runs it).
                 continue
             code = URL.sub(lambda m: servers[int(m.group(1))], block.group("code"))
             if mark == "worker module":

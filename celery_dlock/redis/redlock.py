@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError, ResponseError
 
+from celery_dlock.clock import real_clock
 from celery_dlock.config import (
     Settings,
     check_key,
@@ -229,6 +230,9 @@ class LockManager:
         key = request.key
         ttl = request.ttl
         give_up = None if wait is None else begun + wait
+        # The same length of real time bounds the wait too: a test's frozen time.monotonic()
+        # (freezegun) would otherwise never let it end.
+        real_end = None if wait is None else real_clock() + wait
         woken_from: str | None = None  # nonce of the holder whose release woke us, if any
         baton = 0
         splits = 0
@@ -242,7 +246,9 @@ class LockManager:
                 splits += 1
                 time.sleep(random.uniform(0.0, 0.005 * splits))
             else:
-                left = None if give_up is None else give_up - time.monotonic()
+                left = None
+                if give_up is not None and real_end is not None:
+                    left = min(give_up - time.monotonic(), real_end - real_clock())
                 if left is not None and left <= 0:
                     raise self._refused(key, outcome)
                 seen = outcome.holder.nonce if outcome.holder else None
@@ -254,7 +260,8 @@ class LockManager:
                     baton += 1
                 else:
                     baton = 0
-                    woken_from = self._wait_for_release(key, keys[2], outcome, give_up, ttl)
+                    until = None if left is None else time.monotonic() + left
+                    woken_from = self._wait_for_release(key, keys[2], outcome, until, ttl)
             attempt = self._attempt(request, keys)
             if isinstance(attempt, Lease):
                 return self._won(request, attempt, begun, on_lost)

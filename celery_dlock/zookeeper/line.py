@@ -57,6 +57,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import EventType, WatchedEvent
 
+from celery_dlock.clock import real_clock
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.holder import Holder
 from celery_dlock.zookeeper import decisions, fencing
@@ -117,6 +118,9 @@ def queue(
         attempt.key,
     )
     deadline = None if wait is None else attempt.begun + wait
+    # The same length of real time bounds the wait too: a test's frozen time.monotonic()
+    # (freezegun) would otherwise never let it end.
+    real_end = None if wait is None else real_clock() + wait
     path = entered.path
     name = path.rsplit("/", 1)[1]
     children = entered.children
@@ -130,7 +134,9 @@ def queue(
     mine = task_hash(takeover) if takeover else None
     waited = False
     for _ in range(1_000_000):
-        out_of_time = deadline is not None and time.monotonic() >= deadline
+        out_of_time = deadline is not None and (
+            time.monotonic() >= deadline or (real_end is not None and real_clock() >= real_end)
+        )
         step = decisions.admission(in_line(children), name, mine, out_of_time)
         if step.kind == decisions.GONE:
             raise LockUnavailable(

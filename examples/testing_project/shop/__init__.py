@@ -1,0 +1,1 @@
+"""A small shop's Celery tasks (the project docs/testing.md tests)."""
