@@ -864,3 +864,38 @@ def test_a_holder_whose_listing_crossed_a_waiters_removal_of_the_watch_hears_of_
             for held in got.values():
                 held.release()
     close_all()
+
+
+@needs_zk
+def test_an_acquisition_whose_replies_were_held_longer_than_its_ttl_gets_a_valid_lease(
+    zk: ZkServer,
+) -> None:
+    """The servers answer the create and the listing only after a pause longer than the ttl
+    (a leader election, a server's GC pause, a congested link): the session lease's validity,
+    counted from the create's send and capped by the ttl, would be over on arrival. The
+    acquisition proves the session afresh instead of handing its caller a lease already
+    lost (before: lost at once, 'no ZooKeeper server answered ...', and a body run under it)."""
+    chroot = f"t-{uuid.uuid4().hex[:8]}"
+    ttl, pause = 1.0, 1.5
+    with FaultProxy(zk.client_port) as proxy:
+        backend = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/{chroot}?timeout=12")
+        backend.acquire("held-up", ttl=ttl).release()  # the session and the key's parent exist
+        client = backend.shared.start()
+        proxy.blackhole()
+        got: list[Lease] = []
+        taker = threading.Thread(target=lambda: got.append(backend.acquire("held-up", ttl=ttl)))
+        taker.start()
+        try:
+            until(lambda: len(client._pending) > 0, 10, "the create sent")
+            time.sleep(pause)  # the pause the servers' replies are held for (> ttl)
+        finally:
+            proxy.heal()
+            taker.join(10)
+        assert got
+        lease = got[0]
+        try:
+            assert not lease.lost, lease.lost_reason
+            assert lease.valid_for > ttl / 2
+        finally:
+            lease.release()
+    close_all()
