@@ -11,6 +11,7 @@ this host, so one clock.
 from __future__ import annotations
 
 import pytest
+import redis
 
 from celery_dlock import lock
 from celery_dlock.lease import Lease
@@ -65,3 +66,28 @@ def test_tokens_keep_rising_from_redis_to_zookeeper_and_back(
         "redis again",
         "zookeeper again",
     ]
+
+
+@pytest.mark.local_redis
+def test_redlock_after_zookeeper_keeps_rising_once_its_fence_counters_are_deleted(
+    redlock_urls: list[str], zookeeper_urls: list[str]
+) -> None:
+    """Redlock floors a counter at the clock only when it is missing, so counters kept from
+    before a ZooKeeper period stay below ZooKeeper's tokens: the documented step
+    (docs/guarantees.md, "Switching backends") deletes them on every node when switching
+    back, and the tokens rise again."""
+    store = FencedStore()
+    _write(store, redlock_urls, "redlock")
+    _write(store, zookeeper_urls, "zookeeper")
+    nodes = [redis.Redis.from_url(url) for url in redlock_urls]
+    try:
+        kept = [node.get("dlock:{fenced-resource}:fence") for node in nodes]
+        assert all(kept), kept
+        assert max(int(value) for value in kept if value) < store.highest  # without the step
+        for node in nodes:
+            for name in node.scan_iter(match="dlock:*:fence"):
+                node.delete(name)
+    finally:
+        for node in nodes:
+            node.close()
+    _write(store, redlock_urls, "redlock again")

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -114,3 +115,27 @@ def test_a_ttl_shorter_than_the_zookeeper_session_is_warned_about_and_still_boun
             assert f"?timeout={TTL:g}" in said()
         finally:
             lease.release()
+
+
+def test_a_waiter_admitted_after_waiting_longer_than_its_ttl_holds_a_valid_lease(
+    zookeeper_urls: list[str],
+) -> None:
+    # A waiter admitted by its predecessor's deletion alone skips the listing while the proof
+    # of its session is "fresh"; with a ttl shorter than the session timeout that proof must
+    # be fresh for the ttl too (a third of it), or the lease is born already expired. Here:
+    # ttl 1 s, session 12 s, a wait of 2.5 s (between the ttl and a third of the session).
+    ttl, wait = 1.0, 2.5
+    backend = _backend(_urls(zookeeper_urls, 12.0))
+    first = backend.acquire("admitted", ttl=ttl)
+    freed = threading.Timer(wait, first.release)
+    freed.start()
+    try:
+        lease = backend.acquire("admitted", ttl=ttl, wait=10 * wait)
+        try:
+            assert not lease.lost, lease.lost_reason
+            assert lease.valid_for > ttl / 2
+        finally:
+            lease.release()
+    finally:
+        freed.cancel()
+        first.release()

@@ -785,3 +785,117 @@ def test_partitioned_holder_on_an_ensemble_loses_before_the_next_gets_it(ens: En
         assert lost_at[0] < got_at[0]
         lease.release()
         close_all()
+
+
+@needs_zk
+def test_a_holder_whose_listing_crossed_a_waiters_removal_of_the_watch_hears_of_a_forced_release(
+    zk: ZkServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two acquisitions of one process, one session: B's create goes first, then A's create
+    and listing, then B's listing (a thread switch between B's two requests), then A, waiting
+    behind B, takes back the key's children watch (``removeWatches``). The servers keep one
+    such watch per session and path, so the removal also takes the one B's listing set; B,
+    first in line at once, relies on that watch to hear that its node was deleted. Replies
+    are delayed by a relay so that B's listing is answered after A's removal went out, as a
+    busy process may see. A forced release of B's node must still be noticed."""
+    from celery_dlock.zookeeper.entry import Attempt
+
+    chroot = f"t-{uuid.uuid4().hex[:8]}"
+    delay = 0.5
+    with FaultProxy(zk.client_port) as proxy:
+        backend = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/{chroot}?timeout=12")
+        operator = ZooKeeperBackend(f"zookeeper://{zk.hosts}/{chroot}?timeout=10")
+        operator.acquire("race").release()  # the key's parent exists (one create, one list)
+        send = Attempt.send
+        b_created, b_may_list = threading.Event(), threading.Event()
+
+        def send_with_a_thread_switch(self: Attempt) -> None:
+            if self.holder != "B":
+                send(self)
+                return
+            self.created = self.client.create_async(
+                f"{self.parent}/{self.name_prefix}",
+                self.data,
+                acl=self.session.acl,
+                ephemeral=True,
+                sequence=True,
+                include_data=True,
+            )
+            b_created.set()
+            b_may_list.wait(30)
+            self.listing = self.client.get_children_async(
+                self.parent, watch=self.guard.on_children, include_data=True
+            )
+
+        monkeypatch.setattr(Attempt, "send", send_with_a_thread_switch)
+        backend.shared.start()
+        proxy.delay(delay)
+        got: dict[str, Lease] = {}
+        b = threading.Thread(target=lambda: got.update(B=backend.acquire("race", holder="B")))
+        b.start()
+        assert b_created.wait(30)
+        until(lambda: len(operator.queue("race")) == 1, 10, "B's node made")
+        a = threading.Thread(
+            target=lambda: got.update(A=backend.acquire("race", holder="A", wait=60))
+        )
+        a.start()
+        until(lambda: len(operator.queue("race")) == 2, 10, "A's node made")
+        # B's listing goes out after A's (A's went with its create) and well before A's reply
+        # is let through (``delay`` after it was sent), after which A sends its removal:
+        # the middle of that window, which the relay's delay sets.
+        time.sleep(delay / 2)
+        b_may_list.set()
+        try:
+            until(lambda: "B" in got, 10 + 4 * delay, "B to hold the key")
+            proxy.heal()
+            lease = got["B"]
+            until(lambda: len(operator.queue("race")) == 2, 10, "A waiting")
+            holder = operator.holder("race")
+            assert holder is not None
+            assert holder.task_id == "B"
+            assert operator.release_nonce("race", holder.nonce)  # A is admitted
+            until(lambda: "A" in got, 10, "A to hold the key")
+            until(lambda: lease.lost, 10, "B to notice that its node was deleted")
+        finally:
+            b_may_list.set()
+            proxy.heal()
+            a.join(30)
+            b.join(30)
+            for held in got.values():
+                held.release()
+    close_all()
+
+
+@needs_zk
+def test_an_acquisition_whose_replies_were_held_longer_than_its_ttl_gets_a_valid_lease(
+    zk: ZkServer,
+) -> None:
+    """The servers answer the create and the listing only after a pause longer than the ttl
+    (a leader election, a server's GC pause, a congested link): the session lease's validity,
+    counted from the create's send and capped by the ttl, would be over on arrival. The
+    acquisition proves the session afresh instead of handing its caller a lease already
+    lost (before: lost at once, 'no ZooKeeper server answered ...', and a body run under it)."""
+    chroot = f"t-{uuid.uuid4().hex[:8]}"
+    ttl, pause = 1.0, 1.5
+    with FaultProxy(zk.client_port) as proxy:
+        backend = ZooKeeperBackend(f"zookeeper://127.0.0.1:{proxy.port}/{chroot}?timeout=12")
+        backend.acquire("held-up", ttl=ttl).release()  # the session and the key's parent exist
+        client = backend.shared.start()
+        proxy.blackhole()
+        got: list[Lease] = []
+        taker = threading.Thread(target=lambda: got.append(backend.acquire("held-up", ttl=ttl)))
+        taker.start()
+        try:
+            until(lambda: len(client._pending) > 0, 10, "the create sent")
+            time.sleep(pause)  # the pause the servers' replies are held for (> ttl)
+        finally:
+            proxy.heal()
+            taker.join(10)
+        assert got
+        lease = got[0]
+        try:
+            assert not lease.lost, lease.lost_reason
+            assert lease.valid_for > ttl / 2
+        finally:
+            lease.release()
+    close_all()

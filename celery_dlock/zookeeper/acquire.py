@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 from celery_dlock.config import drift
-from celery_dlock.errors import LockContended
+from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.lease import Lease, LeaseBackend, LostCallback
 from celery_dlock.renewal import watchdog
 from celery_dlock.signals import lock_acquired
@@ -45,7 +46,38 @@ def finish(
                 raise vanished.refusal from None
         # A fresh attempt only when it will be read: its node would wait in line, unread.
         attempt = attempt.again(space)
-    return _lease(backend, space, attempt, won, max_hold, on_lost)
+    return _lease(backend, space, attempt, _proven_afresh(space, attempt, won), max_hold, on_lost)
+
+
+def _proven_afresh(space: Keyspace, attempt: Attempt, won: Won) -> Won:
+    """``won``, or with a fresh proof of the session when the request that proved it was
+    answered late (a leader election, a server's pause, a slow link): a session lease's
+    validity runs from that request's send and is capped by its ttl, so it could be over
+    before the lease is handed out. One ``exists`` (any answered request proves the session
+    and so our node; a deletion is the guard's to report); when even that is answered too late
+    for the ttl, the node is deleted and the caller told, as the Redis backends tell an
+    acquisition that took longer than its validity. Timed nodes live their ttl from their
+    creation, which no later request changes."""
+    session = attempt.session
+    if attempt.timed or time.monotonic() - won.proven < min(session.negotiated, attempt.ttl) / 3:
+        return won
+    asked = time.monotonic()
+    try:
+        session.call(partial(attempt.client.exists_async, space.base))
+        late = time.monotonic() - asked >= space.lease_validity(session, attempt.ttl)
+    except KAZOO_ERRORS as exc:
+        attempt.guard.cancel()
+        abandon(attempt.client, session, won.path)
+        raise space.unavailable(attempt.key, "lock", exc) from exc
+    if late:
+        attempt.guard.cancel()
+        abandon(attempt.client, session, won.path)
+        raise LockUnavailable(
+            f"cannot lock {attempt.key!r}: ZooKeeper ({space.url.shown}) answered more slowly "
+            f"than the ttl of {attempt.ttl:g} s allows a lease to be proven; use a longer ttl",
+            key=attempt.key,
+        )
+    return won._replace(proven=asked)
 
 
 def _first_in_line(

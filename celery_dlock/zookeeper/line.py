@@ -261,7 +261,9 @@ def wait_behind(
             now_ms, now_at = stamp(client, session, space.base)
             return now_ms, now_at, proven, False
         deleted = any(e.type == EventType.DELETED for e in events)
-        fresh = time.monotonic() - proven < session.negotiated / 3
+        # The proof must leave the lease most of its validity, which the ttl caps too: a
+        # proof older than the ttl would give a lease born expired.
+        fresh = time.monotonic() - proven < min(session.negotiated, attempt.ttl) / 3
         done = fencing.admitted_by_deletion(shortcut, deleted, fresh, guard.deleted)
         return now_ms, now_at, proven, done
     except KAZOO_ERRORS as exc:

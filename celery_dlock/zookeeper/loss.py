@@ -3,14 +3,14 @@ dlock release``): a watch on its own node, set only once the key's children chan
 
 from __future__ import annotations
 
-import contextlib
 import threading
+from functools import partial
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import ConnectionLoss, NoNodeError
 from kazoo.protocol.serialization import int_struct, write_string
-from kazoo.protocol.states import EventType, WatchedEvent
+from kazoo.protocol.states import EventType, KeeperState, WatchedEvent
 
 from celery_dlock import forks
 from celery_dlock.renewal import watchdog
@@ -100,7 +100,7 @@ class Guard:
         self._client._child_watchers.pop(full, None)
         result = self._client.handler.async_result()
         self._client._call(_RemoveWatches(full, CHILDREN_WATCH), result)
-        result.rawlink(_ignore)
+        result.rawlink(partial(_removed, self._client, full, parent))
 
     def on_children(self, _event: WatchedEvent) -> None:
         with self._lock:
@@ -172,8 +172,24 @@ class Guard:
         )
 
 
-def _ignore(result: Any) -> None:
-    """A reply nobody waits for: its error (no watch left to remove, the connection gone)
-    changes nothing."""
-    with contextlib.suppress(*KAZOO_ERRORS):
+def _removed(client: KazooClient, full: str, parent: str, result: Any) -> None:
+    """The reply to a ``removeWatches`` of the children watch on ``full``: its error (no
+    watch left to remove) changes nothing, but a listing of this session that the servers
+    answered before the removal (another acquisition's, sent between our listing and our
+    removal) had its watch taken too: the servers keep one per session and path. Its
+    watchers, registered when its reply came, before this one, are told as of a change (a
+    holder then watches its own node), or a forced release would go unnoticed. Watchers of
+    listings answered after the removal are told too, once, needlessly but harmlessly. A
+    lost reply changes nothing: kazoo sets every registered watch again on reconnection."""
+    try:
         result.get()
+    except ConnectionLoss:
+        return
+    except KAZOO_ERRORS:
+        pass
+    orphans = client._child_watchers.pop(full, None)
+    if not orphans:
+        return
+    event = WatchedEvent(EventType.CHILD, KeeperState.CONNECTED, parent)
+    for watcher in orphans:
+        watcher(event)
