@@ -31,6 +31,7 @@ import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
 from celery_dlock import admin
+from celery_dlock.config import broker_url
 from celery_dlock.errors import ConfigError, LockUnavailable
 from celery_dlock.registry import backend_for
 
@@ -59,7 +60,7 @@ def _app(ctx: click.Context) -> Any:
     locks are (Celery would hand over its default app, whose broker is unset)."""
     app = ctx.obj.app
     if not ctx.find_root().params.get("app") and not (
-        app.conf.get("dlock_urls") or app.conf.get("broker_url")
+        app.conf.get("dlock_urls") or broker_url(app.conf)
     ):
         raise click.UsageError(
             "no Celery app given: pass -A/--app with the module of your app, as for the worker "

@@ -343,9 +343,18 @@ def beat_settings(app: Any) -> tuple[str, float]:
     return check_key(key), ttl
 
 
+def broker_url(conf: Any) -> Any:
+    """The broker URL as Celery reads it: ``CELERY_BROKER_URL`` from the environment first
+    (``celery -b`` sets it too), then the ``broker_url`` setting; None when neither is set."""
+    try:
+        return conf.broker_url  # Celery's Settings: a property that reads the environment
+    except AttributeError:  # a plain mapping
+        return conf.get("broker_url")
+
+
 def broker_lock_urls(conf: Any) -> list[str]:
     """The lock URL the broker setting gives when ``dlock_urls`` is not set."""
-    broker = conf.get("broker_url") or ""
+    broker = broker_url(conf) or ""
     shown = redact(str(broker)) or "unset"
     scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
     if ";" in str(broker) and scheme != "sentinel":

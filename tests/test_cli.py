@@ -184,3 +184,22 @@ def test_a_command_without_an_app_says_pass_the_app(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "pass -A/--app" in done.stderr, done.stderr
     assert "broker is not Redis" not in done.stderr
+
+
+@pytest.mark.parametrize("how", ["-b", "CELERY_BROKER_URL"])
+def test_a_command_without_an_app_uses_the_broker_given_by_b_or_the_environment(
+    tmp_path: Path, single_urls: list[str], how: str
+) -> None:
+    """Celery's own ``-b`` (and CELERY_BROKER_URL, which it sets) names the broker, so the
+    locks are known without -A: no "pass -A", and the broker's Redis is listed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "APP"))}
+    command = [sys.executable, "-m", "celery", "dlock", "list"]
+    if how == "-b":
+        command[3:3] = ["-b", single_urls[0]]
+    else:
+        env["CELERY_BROKER_URL"] = single_urls[0]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pass -A" not in done.stderr, done.stderr

@@ -42,23 +42,31 @@ def worker(
     *,
     module: bool = True,
     args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    pre_args: tuple[str, ...] = (),
 ) -> tuple[int | None, str]:
     """Run ``celery -A name worker`` in ``tmp_path`` until it exits or says it is ready; its
     exit status (None: it started, and the test stopped it) and its output. With ``module``,
-    ``name``.py is written first: an app on ``broker`` with ``settings`` and a SingletonTask."""
+    ``name``.py is written first: an app on ``broker`` with ``settings`` and a SingletonTask;
+    ``env`` adds to the worker's environment, ``pre_args`` go before ``worker`` (``-b``)."""
     if module:
         (tmp_path / f"{name}.py").write_text(
             MODULE.format(name=name, broker=broker, settings=textwrap.dedent(settings))
         )
     log = tmp_path / f"{name}.log"
     command = [
-        sys.executable, "-m", "celery", "-A", name, "worker", "-P", "solo", "-l", "INFO",
+        sys.executable, "-m", "celery", "-A", name, *pre_args, "worker", "-P", "solo", "-l", "INFO",
         "--without-gossip", "--without-mingle", "--without-heartbeat", "--logfile", str(log),
         *args,
     ]  # fmt: skip
     with open(tmp_path / f"{name}.out", "w+b") as out:
         process = subprocess.Popen(
-            command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         deadline = time.monotonic() + START
         try:
@@ -121,3 +129,18 @@ def test_a_worker_whose_lock_node_is_unreachable_starts_and_warns(
     code, output = worker(tmp_path, "unreachable", single_urls[0], settings)
     assert code is None, f"the worker exited with status {code}:\n{output[-3000:]}"
     assert f"cannot reach lock node {url}" in output
+
+
+@pytest.mark.parametrize("how", ["CELERY_BROKER_URL", "celery -b"])
+def test_a_worker_whose_broker_comes_from_the_environment_or_b_takes_its_locks_there(
+    tmp_path: Path, single_urls: list[str], how: str
+) -> None:
+    """Celery reads the broker from CELERY_BROKER_URL (and ``celery -b`` sets it), as container
+    deployments give it: the locks follow that broker, and the worker is not refused."""
+    module = MODULE.format(name="fromenv", broker="", settings="").replace(', broker=""', "")
+    (tmp_path / "fromenv.py").write_text(module)  # an app without a broker of its own
+    env = {"CELERY_BROKER_URL": single_urls[0]} if how == "CELERY_BROKER_URL" else None
+    args = ("-b", single_urls[0]) if how == "celery -b" else ()
+    code, output = worker(tmp_path, "fromenv", "", "", module=False, env=env, pre_args=args)
+    assert code is None, f"the worker exited with status {code}:\n{output[-3000:]}"
+    assert f"locks on {single_urls[0]}" in output, output[-3000:]
