@@ -327,10 +327,10 @@ def misnamed_settings(conf: Any, namespace: str | None = None) -> list[str]:
 
 
 def _match_case(name: str, like: str) -> str:
-    """``name`` in the case of ``like`` (Celery's rule for a namespaced setting's name)."""
-    if like.isupper():
-        return name.upper()
-    return name.lower() if like.islower() else name
+    """``name`` in the case of ``like`` by Celery's rule for a namespaced setting's name
+    (``celery.utils.text.match_case``): upper case for an upper-case namespace, else lower
+    case, so that ``namespace="Celery"`` reads ``celery_dlock_urls``."""
+    return name.upper() if like.isupper() else name.lower()
 
 
 def beat_settings(app: Any) -> tuple[str, float]:
