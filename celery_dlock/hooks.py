@@ -19,6 +19,7 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 * ``celeryd_after_setup`` (worker parent, before it consumes): a lock configuration that can
   never work (a wrong scheme, a misspelt ``dlock_*`` setting, a bad value) stops the worker
   with exit status 1, each problem logged, instead of a worker that fails every SingletonTask.
+  ``beat_init`` (beat, before its first send) does the same for beat.
 * ``worker_ready`` (worker parent): one line saying where the locks are, or one warning when
   the lock nodes cannot be reached, instead of every task finding out by itself and being
   requeued for minutes. An unreachable node may come back: the worker runs on.
@@ -32,6 +33,7 @@ from typing import Any
 
 from celery.platforms import EX_FAILURE
 from celery.signals import (
+    beat_init,
     before_task_publish,
     celeryd_after_setup,
     task_revoked,
@@ -167,7 +169,17 @@ def release_held(**_: Any) -> None:
 def refuse_impossible_config(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """Stop a starting worker whose lock settings can never work: its SingletonTasks would
     all fail, and a misspelt setting would put the locks where the user did not mean."""
-    app = getattr(instance, "app", None)
+    _refuse_impossible_config(getattr(instance, "app", None), "worker")
+
+
+@beat_init.connect
+def refuse_impossible_beat_config(sender: Any = None, **_: Any) -> None:
+    """The same for a starting beat: each send of a SingletonTask would fail to take its tick
+    key (and an enqueue-time lock) and go out unlabelled, to workers that refuse to start."""
+    _refuse_impossible_config(getattr(sender, "app", None), "beat")
+
+
+def _refuse_impossible_config(app: Any, what: str) -> None:
     if app is None:
         return
     try:
@@ -180,10 +192,11 @@ def refuse_impossible_config(sender: Any = None, instance: Any = None, **_: Any)
     for problem in report.problems:
         log_start.critical("celery_dlock: %s", problem)
     log_start.critical(
-        "celery_dlock: the worker stops: its lock settings cannot work (fix the above; "
-        "`celery -A <app> dlock check` checks them without starting a worker)."
+        "celery_dlock: the %s stops: its lock settings cannot work (fix the above; "
+        "`celery -A <app> dlock check` checks them without starting a worker).",
+        what,
     )
-    raise SystemExit(EX_FAILURE)  # Celery's worker stops with this status
+    raise SystemExit(EX_FAILURE)  # Celery's worker (and beat) stops with this status
 
 
 def _mentions_locks(conf: Any) -> bool:
