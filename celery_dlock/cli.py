@@ -11,7 +11,8 @@ the app's ``dlock_*`` settings (single Redis, Redlock or ZooKeeper) like the wor
 
 Each is built on the function of the same name in :mod:`celery_dlock.admin`, which does the
 same from Python. ``show`` exits with status 1 when the lock is free (as ``test -e`` does for
-a file), ``check`` when it found a problem.
+a file) and 2 when it cannot tell (nodes unreachable, settings wrong), ``check`` with 1 when it
+found a problem.
 
 ``release`` does not merely delete the key: it marks the holder's acquisition revoked, so its
 next renewal reports the lease lost (and a task using ``on_lock_lost="raise"`` is stopped),
@@ -41,18 +42,31 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _plain_errors(command: F) -> F:
+class _Unknown(click.ClickException):
+    """``show`` could not read the lock: status 2, as grep's for an error, since its 1 means
+    "free" and a script must not take an outage for a free lock."""
+
+    exit_code = 2
+
+
+def _errors_as(failed: type[click.ClickException]) -> Callable[[F], F]:
     """Unreachable nodes and bad settings as one ``Error: ...`` line (the message names each
-    node's URL, password hidden, and the fix), not a traceback."""
+    node's URL, password hidden, and the fix), not a traceback; the exit status ``failed``'s."""
 
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except (LockUnavailable, ConfigError) as exc:
-            raise click.ClickException(str(exc)) from exc
+    def decorate(command: F) -> F:
+        @functools.wraps(command)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return command(*args, **kwargs)
+            except (LockUnavailable, ConfigError) as exc:
+                raise failed(str(exc)) from exc
 
-    return run  # type: ignore[return-value]
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+_plain_errors = _errors_as(click.ClickException)
 
 
 def _app(ctx: click.Context) -> Any:
@@ -131,7 +145,7 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.pass_context
-@_plain_errors
+@_errors_as(_Unknown)
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one lock."""
     info = admin.show(_app(ctx), key)

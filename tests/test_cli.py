@@ -20,7 +20,7 @@ import pytest
 
 from celery_dlock import LockLost
 from celery_dlock.redis.redlock import LockManager
-from celery_dlock.testing import RedisServer
+from celery_dlock.testing import RedisServer, free_port
 from tests import cli_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,3 +203,14 @@ def test_a_command_without_an_app_uses_the_broker_given_by_b_or_the_environment(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "pass -A" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_show_tells_a_free_lock_from_nodes_it_cannot_read(as_json: bool) -> None:
+    """``show`` exits 1 for a free lock (like ``test -e``); when the nodes cannot be read it
+    knows nothing, so it must not say "free" by its status: 2, as grep does for an error."""
+    down = [f"redis://127.0.0.1:{free_port()}/0"]  # nothing listens there
+    done = dlock(down, "show", "meta:crm:acme", *(["--json"] if as_json else []))
+    assert done.returncode == 2, (done.returncode, done.stdout + done.stderr)
+    assert done.stderr.startswith("Error: "), done.stderr
+    assert "Traceback" not in done.stderr
