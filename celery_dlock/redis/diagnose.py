@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 #: Every command a lock user runs: the scripts by SHA (and by source after a ``SCRIPT FLUSH``),
 #: the blocking wait, the operator listing (SCAN), and each command the Lua scripts in
-#: :mod:`celery_dlock.redis.scripts` call (Redis checks those against the user's ACL too).
+#: :mod:`celery_dlock.redis.scripts` call (Redis checks those against the user's ACL too), and
+#: ``INFO`` (its ``run_id``: two Redlock URLs that reach one server are refused; a user denied
+#: it is not checked).
 ACL_COMMANDS = (
     "evalsha",
     "eval",
@@ -30,6 +32,7 @@ ACL_COMMANDS = (
     "pexpire",
     "rpush",
     "time",
+    "info",
 )
 
 
