@@ -187,7 +187,7 @@ def _refuse_impossible_config(app: Any, what: str) -> None:
     except Exception:  # a diagnosis that fails is no reason to refuse a worker
         log_start.exception("celery_dlock: could not check the lock settings")
         return
-    if report.ok or not (report.tasks or _mentions_locks(app.conf)):
+    if report.ok or not (report.tasks or _mentions_locks(app)):
         return  # fine, or an app that does not use celery_dlock's settings at all
     for problem in report.problems:
         log_start.critical("celery_dlock: %s", problem)
@@ -199,11 +199,19 @@ def _refuse_impossible_config(app: Any, what: str) -> None:
     raise SystemExit(EX_FAILURE)  # Celery's worker (and beat) stops with this status
 
 
-def _mentions_locks(conf: Any) -> bool:
+def _mentions_locks(app: Any) -> bool:
+    """Whether the app has a setting named as one of ours, or meant to be (``dlock_*``, with
+    the app's namespace or Django's ``CELERY_`` before it); another library's ``redlock_*``
+    is not one."""
+    namespace = getattr(app, "namespace", None) or ""
+    prefix = f"{namespace.rstrip('_')}_".lower() if namespace else ""
     try:
-        return any("dlock_" in str(name).lower() for name in conf)
+        names = [str(name).lower() for name in app.conf]
     except Exception:  # a configuration that cannot list its keys
         return False
+    return any(
+        name.removeprefix(prefix).removeprefix("celery_").startswith("dlock_") for name in names
+    )
 
 
 @worker_ready.connect

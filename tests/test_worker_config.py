@@ -210,3 +210,21 @@ def test_beat_whose_lock_node_is_unreachable_runs(tmp_path: Path, single_urls: l
     settings = f"app.conf.dlock_urls = ['redis://127.0.0.1:{free_port()}/0']"
     code, output = beat(tmp_path, "unreachablebeat", single_urls[0], settings)
     assert code is None, f"beat exited with status {code}:\n{output[-3000:]}"
+
+
+def test_a_worker_that_does_not_use_the_locks_is_not_refused_over_a_lookalike_setting(
+    tmp_path: Path,
+) -> None:
+    """An app without SingletonTasks or dlock settings, on a broker that is not Redis, in a
+    process that imports celery_dlock: another library's ``redlock_*`` setting is not ours."""
+    (tmp_path / "lookalike.py").write_text(
+        "from celery import Celery\n"
+        "import celery_dlock  # noqa: F401  (used elsewhere, with URLs of its own)\n"
+        "app = Celery('lookalike', broker='memory://')\n"
+        "app.conf.redlock_retry_count = 3\n"
+        "@app.task\n"
+        "def plain():\n"
+        "    return 1\n"
+    )
+    code, output = worker(tmp_path, "lookalike", "", "", module=False)
+    assert code is None, f"the worker exited with status {code}:\n{output[-3000:]}"
