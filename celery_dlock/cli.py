@@ -11,7 +11,8 @@ the app's ``dlock_*`` settings (single Redis, Redlock or ZooKeeper) like the wor
 
 Each is built on the function of the same name in :mod:`celery_dlock.admin`, which does the
 same from Python. ``show`` exits with status 1 when the lock is free (as ``test -e`` does for
-a file), ``check`` when it found a problem.
+a file) and 2 when it cannot tell (nodes unreachable, settings wrong), ``check`` with 1 when it
+found a problem.
 
 ``release`` does not merely delete the key: it marks the holder's acquisition revoked, so its
 next renewal reports the lease lost (and a task using ``on_lock_lost="raise"`` is stopped),
@@ -32,6 +33,7 @@ import click
 from celery.bin.base import CeleryCommand, handle_preload_options
 
 from celery_dlock import admin
+from celery_dlock.config import broker_url
 from celery_dlock.errors import ConfigError, LockUnavailable
 from celery_dlock.registry import backend_for
 
@@ -41,18 +43,31 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _plain_errors(command: F) -> F:
+class _Unknown(click.ClickException):
+    """``show`` could not read the lock: status 2, as grep's for an error, since its 1 means
+    "free" and a script must not take an outage for a free lock."""
+
+    exit_code = 2
+
+
+def _errors_as(failed: type[click.ClickException]) -> Callable[[F], F]:
     """Unreachable nodes and bad settings as one ``Error: ...`` line (the message names each
-    node's URL, password hidden, and the fix), not a traceback."""
+    node's URL, password hidden, and the fix), not a traceback; the exit status ``failed``'s."""
 
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except (LockUnavailable, ConfigError) as exc:
-            raise click.ClickException(printable(str(exc))) from exc
+    def decorate(command: F) -> F:
+        @functools.wraps(command)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return command(*args, **kwargs)
+            except (LockUnavailable, ConfigError) as exc:
+                raise failed(printable(str(exc))) from exc
 
-    return run  # type: ignore[return-value]
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+_plain_errors = _errors_as(click.ClickException)
 
 
 def printable(text: str) -> str:
@@ -78,7 +93,7 @@ def _app(ctx: click.Context) -> Any:
     locks are (Celery would hand over its default app, whose broker is unset)."""
     app = ctx.obj.app
     if not ctx.find_root().params.get("app") and not (
-        app.conf.get("dlock_urls") or app.conf.get("broker_url")
+        app.conf.get("dlock_urls") or broker_url(app.conf)
     ):
         raise click.UsageError(
             "no Celery app given: pass -A/--app with the module of your app, as for the worker "
@@ -154,7 +169,7 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 @click.pass_context
-@_plain_errors
+@_errors_as(_Unknown)
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one lock."""
     info = admin.show(_app(ctx), key)

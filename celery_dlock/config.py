@@ -425,10 +425,10 @@ def misnamed_settings(conf: Any, namespace: str | None = None) -> list[str]:
 
 
 def _match_case(name: str, like: str) -> str:
-    """``name`` in the case of ``like`` (Celery's rule for a namespaced setting's name)."""
-    if like.isupper():
-        return name.upper()
-    return name.lower() if like.islower() else name
+    """``name`` in the case of ``like`` by Celery's rule for a namespaced setting's name
+    (``celery.utils.text.match_case``): upper case for an upper-case namespace, else lower
+    case, so that ``namespace="Celery"`` reads ``celery_dlock_urls``."""
+    return name.upper() if like.isupper() else name.lower()
 
 
 def beat_settings(app: Any) -> tuple[str, float]:
@@ -441,9 +441,18 @@ def beat_settings(app: Any) -> tuple[str, float]:
     return check_key(key), ttl
 
 
+def broker_url(conf: Any) -> Any:
+    """The broker URL as Celery reads it: ``CELERY_BROKER_URL`` from the environment first
+    (``celery -b`` sets it too), then the ``broker_url`` setting; None when neither is set."""
+    try:
+        return conf.broker_url  # Celery's Settings: a property that reads the environment
+    except AttributeError:  # a plain mapping
+        return conf.get("broker_url")
+
+
 def broker_lock_urls(conf: Any) -> list[str]:
     """The lock URL the broker setting gives when ``dlock_urls`` is not set."""
-    broker = conf.get("broker_url") or ""
+    broker = broker_url(conf) or ""
     shown = redact(str(broker)) or "unset"
     scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
     if ";" in str(broker) and scheme != "sentinel":

@@ -19,6 +19,7 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 * ``celeryd_after_setup`` (worker parent, before it consumes): a lock configuration that can
   never work (a wrong scheme, a misspelt ``dlock_*`` setting, a bad value) stops the worker
   with exit status 1, each problem logged, instead of a worker that fails every SingletonTask.
+  ``beat_init`` (beat, before its first send) does the same for beat.
 * ``worker_init`` (worker parent, before the pool starts): a lock store that cannot serve
   this worker's pool refuses it (``memory://`` and a prefork pool of several processes):
   the worker exits with the :class:`ConfigError`'s message instead of running unguarded.
@@ -35,6 +36,7 @@ from typing import Any
 
 from celery.platforms import EX_FAILURE
 from celery.signals import (
+    beat_init,
     before_task_publish,
     celeryd_after_setup,
     task_revoked,
@@ -173,7 +175,17 @@ def release_held(**_: Any) -> None:
 def refuse_impossible_config(sender: Any = None, instance: Any = None, **_: Any) -> None:
     """Stop a starting worker whose lock settings can never work: its SingletonTasks would
     all fail, and a misspelt setting would put the locks where the user did not mean."""
-    app = getattr(instance, "app", None)
+    _refuse_impossible_config(getattr(instance, "app", None), "worker")
+
+
+@beat_init.connect
+def refuse_impossible_beat_config(sender: Any = None, **_: Any) -> None:
+    """The same for a starting beat: each send of a SingletonTask would fail to take its tick
+    key (and an enqueue-time lock) and go out unlabelled, to workers that refuse to start."""
+    _refuse_impossible_config(getattr(sender, "app", None), "beat")
+
+
+def _refuse_impossible_config(app: Any, what: str) -> None:
     if app is None:
         return
     try:
@@ -181,22 +193,31 @@ def refuse_impossible_config(sender: Any = None, instance: Any = None, **_: Any)
     except Exception:  # a diagnosis that fails is no reason to refuse a worker
         log_start.exception("celery_dlock: could not check the lock settings")
         return
-    if report.ok or not (report.tasks or _mentions_locks(app.conf)):
+    if report.ok or not (report.tasks or _mentions_locks(app)):
         return  # fine, or an app that does not use celery_dlock's settings at all
     for problem in report.problems:
         log_start.critical("celery_dlock: %s", problem)
     log_start.critical(
-        "celery_dlock: the worker stops: its lock settings cannot work (fix the above; "
-        "`celery -A <app> dlock check` checks them without starting a worker)."
+        "celery_dlock: the %s stops: its lock settings cannot work (fix the above; "
+        "`celery -A <app> dlock check` checks them without starting a worker).",
+        what,
     )
-    raise SystemExit(EX_FAILURE)  # Celery's worker stops with this status
+    raise SystemExit(EX_FAILURE)  # Celery's worker (and beat) stops with this status
 
 
-def _mentions_locks(conf: Any) -> bool:
+def _mentions_locks(app: Any) -> bool:
+    """Whether the app has a setting named as one of ours, or meant to be (``dlock_*``, with
+    the app's namespace or Django's ``CELERY_`` before it); another library's ``redlock_*``
+    is not one."""
+    namespace = getattr(app, "namespace", None) or ""
+    prefix = f"{namespace.rstrip('_')}_".lower() if namespace else ""
     try:
-        return any("dlock_" in str(name).lower() for name in conf)
+        names = [str(name).lower() for name in app.conf]
     except Exception:  # a configuration that cannot list its keys
         return False
+    return any(
+        name.removeprefix(prefix).removeprefix("celery_").startswith("dlock_") for name in names
+    )
 
 
 @worker_ready.connect

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from celery_dlock import forks
 from celery_dlock.background import background
+from celery_dlock.errors import ConfigError
 
 if TYPE_CHECKING:
     from celery_dlock.lease import Lease, LeaseBackend
@@ -175,7 +176,16 @@ class Watchdog:
                 return
             for lease in live:
                 lease.hurried = False
-            outcomes = backend.renew(live)
+            try:
+                outcomes: list[str | None] = list(backend.renew(live))
+            except ConfigError as exc:
+                # Found on contact (two Redlock URLs reach one server): no renewal can ever
+                # succeed, so the leases are lost now, saying why.
+                outcomes = [str(exc)] * len(live)
+            except Exception:
+                # Not retried at once: the next round would fail alike, in a busy loop.
+                _retry_later(live, time.monotonic())
+                raise
         finally:
             for lease in held:
                 lease.io_lock.release()
@@ -185,11 +195,8 @@ class Watchdog:
                 self._lose(lease, reason)
             elif lease.hurried:  # the master changed while this renewal was under way
                 lease.next_renewal = now
-            elif lease.next_renewal <= now and lease.renew_interval is not None:
-                # Undecided (nodes silent): try again soon, until the validity runs out.
-                lease.next_renewal = min(
-                    now + lease.renew_interval * RETRY_FRACTION, lease.deadline
-                )
+            else:  # undecided (nodes silent): try again soon, until the validity runs out
+                _retry_later([lease], now)
 
     def _lose(self, lease: Lease, reason: str) -> None:
         self.discard(lease)
@@ -197,6 +204,13 @@ class Watchdog:
             # Free what we may still hold on some nodes, so others need not wait for expiry;
             # off this thread, so a hung node cannot delay other leases' renewals.
             background(lease.backend.release, lease)
+
+
+def _retry_later(leases: list[Lease], now: float) -> None:
+    """Renew ``leases`` again a fraction of their interval from ``now`` (not past validity)."""
+    for lease in leases:
+        if lease.next_renewal <= now and lease.renew_interval is not None:
+            lease.next_renewal = min(now + lease.renew_interval * RETRY_FRACTION, lease.deadline)
 
 
 def _due_at(lease: Lease) -> float:

@@ -56,6 +56,9 @@ class RabbitServer:
         self.dist_port = free_port()
         self.epmd_port = free_port()
         self.directory = Path(tempfile.mkdtemp(prefix="dlock-rabbitmq-"))
+        #: Unique as its directory is (not only by port: two port picks can agree), so that a
+        #: broker answering on the port can be told to be this one (:meth:`_ours`).
+        self.node = f"dlock-test-{self.directory.name.rsplit('-', 1)[-1]}"
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -72,7 +75,7 @@ class RabbitServer:
         return {
             **os.environ,
             "HOME": str(self.directory),  # its own Erlang cookie
-            "RABBITMQ_NODENAME": f"dlock-test-{self.port}@localhost",
+            "RABBITMQ_NODENAME": f"{self.node}@localhost",
             "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
             "RABBITMQ_NODE_PORT": str(self.port),
             "RABBITMQ_DIST_PORT": str(self.dist_port),
@@ -98,24 +101,55 @@ class RabbitServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its Erlang VM and helpers: one process group
             )
+        try:
+            self._wait_ready(self.process)
+        except BaseException:  # a failed start, or Ctrl-C meanwhile: leave nothing running
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + START_TIMEOUT
-        while not self._listening():
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"rabbitmq-server exited: {self.log.read_text()[-3000:]}")
+        while not (self._listening() and self._ours()):
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"rabbitmq-server on port {self.port} exited with {process.returncode}: "
+                    f"{self.log.read_text(errors='replace')[-3000:]}"
+                )
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError(
                     f"rabbitmq-server did not open 127.0.0.1:{self.port} within "
-                    f"{START_TIMEOUT:g} s: {self.log.read_text()[-3000:]}"
+                    f"{START_TIMEOUT:g} s: {self.log.read_text(errors='replace')[-3000:]}"
                 )
             time.sleep(0.1)
-        return self
 
     def _listening(self) -> bool:
         with socket.socket() as sock:
             sock.settimeout(1.0)
             return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def _ours(self) -> bool:
+        """Whether the broker answering on the port is this one (RabbitMQ names its cluster
+        after its node by default), not another session's that picked the same port."""
+        import amqp  # Celery's own AMQP client (kombu's transport)
+
+        conn = amqp.Connection(
+            host=f"127.0.0.1:{self.port}",
+            userid="guest",
+            password="guest",
+            connect_timeout=2,
+            read_timeout=2,
+            write_timeout=2,
+        )
+        try:
+            conn.connect()
+            name = str(conn.server_properties.get("cluster_name", ""))
+        except Exception:  # not AMQP, or not ready yet
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+        return name.startswith(f"{self.node}@")
 
     def stop(self) -> None:
         """SIGTERM the broker's process group (a clean stop), SIGKILL what is left, then stop

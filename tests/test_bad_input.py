@@ -453,3 +453,30 @@ def test_a_setting_celery_would_not_read_is_named_as_written(
         lock(app, "k")
     assert says in str(info.value)
     assert str(info.value).count("setting '") == 1, str(info.value)
+
+
+@pytest.mark.parametrize("namespace", [None, "CELERY", "celery", "Celery", "CELERY_"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dlock_urls",
+        "DLOCK_URLS",
+        "celery_dlock_urls",
+        "CELERY_DLOCK_URLS",
+        "Celery_dlock_urls",
+        "CELERY_dlock_urls",
+    ],
+)
+def test_a_setting_name_is_refused_exactly_when_celery_would_not_read_it(
+    name: str, namespace: str | None
+) -> None:
+    """Whatever the namespace's case, the library agrees with Celery itself (its own lookup is
+    the judge): a name Celery reads passes, one it ignores is reported."""
+    from celery_dlock.config import misnamed_settings
+
+    source = type("Config", (), {name: ["redis://127.0.0.1:1/7"]})
+    app = Celery("t", set_as_current=False, broker="redis://127.0.0.1:1/0")
+    app.config_from_object(source, namespace=namespace)
+    celery_reads = app.conf.get("dlock_urls") is not None
+    problems = misnamed_settings(app.conf, app.namespace)
+    assert (not problems) == celery_reads, (celery_reads, problems)

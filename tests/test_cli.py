@@ -20,7 +20,7 @@ import pytest
 
 from celery_dlock import LockLost
 from celery_dlock.redis.redlock import LockManager
-from celery_dlock.testing import RedisServer
+from celery_dlock.testing import RedisServer, free_port
 from tests import cli_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,3 +237,33 @@ def test_a_command_without_an_app_says_pass_the_app(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "pass -A/--app" in done.stderr, done.stderr
     assert "broker is not Redis" not in done.stderr
+
+
+@pytest.mark.parametrize("how", ["-b", "CELERY_BROKER_URL"])
+def test_a_command_without_an_app_uses_the_broker_given_by_b_or_the_environment(
+    tmp_path: Path, single_urls: list[str], how: str
+) -> None:
+    """Celery's own ``-b`` (and CELERY_BROKER_URL, which it sets) names the broker, so the
+    locks are known without -A: no "pass -A", and the broker's Redis is listed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "APP"))}
+    command = [sys.executable, "-m", "celery", "dlock", "list"]
+    if how == "-b":
+        command[3:3] = ["-b", single_urls[0]]
+    else:
+        env["CELERY_BROKER_URL"] = single_urls[0]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pass -A" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_show_tells_a_free_lock_from_nodes_it_cannot_read(as_json: bool) -> None:
+    """``show`` exits 1 for a free lock (like ``test -e``); when the nodes cannot be read it
+    knows nothing, so it must not say "free" by its status: 2, as grep does for an error."""
+    down = [f"redis://127.0.0.1:{free_port()}/0"]  # nothing listens there
+    done = dlock(down, "show", "meta:crm:acme", *(["--json"] if as_json else []))
+    assert done.returncode == 2, (done.returncode, done.stdout + done.stderr)
+    assert done.stderr.startswith("Error: "), done.stderr
+    assert "Traceback" not in done.stderr

@@ -15,8 +15,10 @@ if TYPE_CHECKING:
     from celery_dlock.redis.nodes import Node
 
 #: Every command a worker (or any process that takes locks) runs: the scripts by SHA (and by
-#: source after a ``SCRIPT FLUSH``), the blocking wait, and each command the Lua scripts in
-#: :mod:`celery_dlock.redis.scripts` call (Redis checks those against the user's ACL too).
+#: source after a ``SCRIPT FLUSH``), the blocking wait, each command the Lua scripts in
+#: :mod:`celery_dlock.redis.scripts` call (Redis checks those against the user's ACL too), and
+#: ``INFO`` (its ``run_id``: two Redlock URLs that reach one server are refused; a user denied
+#: it is not checked).
 ACL_COMMANDS = (
     "evalsha",
     "eval",
@@ -31,6 +33,7 @@ ACL_COMMANDS = (
     "pexpire",
     "rpush",
     "time",
+    "info",
 )
 
 #: What an operator's user needs on top: ``celery dlock list`` and ``purge`` (and the compat
