@@ -198,6 +198,40 @@ def test_a_raw_at_and_colon_password_works_and_is_never_printed() -> None:
         assert json.loads(dlock_cli([url], "show", "works", "--json").stdout)["held"] is False
 
 
+REPORT_APP = """
+from celery import Celery
+import celery_dlock  # noqa: F401  (what an app using the library imports)
+app = Celery("report_app", broker="redis://127.0.0.1:1/0")
+app.conf.dlock_urls = {urls!r}
+"""
+
+
+def test_celery_report_and_inspect_conf_hide_the_lock_urls_passwords(tmp_path: Path) -> None:
+    """``celery report`` prints every setting changed, and a worker answers ``celery inspect
+    conf`` with ``app.conf.table()``: Celery hides settings by name (``PASS``, ``SECRET``,
+    ``broker_url``, ``*backend*``), which ``dlock_urls`` is not, so on 6005d89 both printed its
+    passwords whole. Each URL form, raw and encoded."""
+    urls = [url for _, url in raw_and_encoded()]
+    (tmp_path / "report_app.py").write_text(REPORT_APP.format(urls=urls))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    celery = [sys.executable, "-m", "celery", "-A", "report_app"]
+    report = subprocess.run(
+        [*celery, "report"], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert report.returncode == 0, report.stderr
+    assert "dlock_urls" in report.stdout
+    table = subprocess.run(
+        [sys.executable, "-c", "import json, report_app; "
+         "print(json.dumps(report_app.app.conf.table(), default=repr))"],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    shown = json.loads(table.stdout)["dlock_urls"]
+    assert "127.0.0.1:1" in "".join(shown)  # the hosts are still shown
+    assert not leaked(report.stdout + report.stderr), report.stdout
+    assert not leaked(table.stdout), shown
+
+
 # -- 2. a filled template is injective in its arguments --------------------------------------
 
 
