@@ -268,10 +268,11 @@ class Template:
                 value = values[field]
             else:
                 value = self._formatter.get_field(field, (), values)[0]
+            given_str = type(value) is str  # before a conversion: None!s is a str
             if conversion is not None:
                 value = self._formatter.convert_field(value, conversion)
             text = value if type(value) is str and not spec else format(value, spec)
-            if type(value) is str and text in _CONSTANT_TEXTS:
+            if given_str and text in _CONSTANT_TEXTS:
                 out.append("".join(f"%{ord(c):02X}" for c in text))
             else:
                 out.append(text.translate(table))

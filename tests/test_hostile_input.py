@@ -260,6 +260,19 @@ def test_two_calls_a_separator_could_merge_run_both_in_a_real_worker(
     ]
 
 
+@pytest.mark.parametrize("conversion", ["", "!s", "!r", "!a"])
+@pytest.mark.parametrize("constant", [None, True, False])
+def test_a_conversion_keeps_a_constant_and_its_text_apart(conversion: str, constant: Any) -> None:
+    """``{b!s}`` turns ``None`` into the str ``"None"`` before it is filled in: on 6005d89 it was
+    then encoded as a str reading ``None`` is, and ``None`` and ``"None"`` shared one key."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(a: Any, b: Any) -> None: ...
+
+    keys = KeyBuilder("t", run, f"k:{{a}}:{{b{conversion}}}")
+    assert keys(("x", constant), {}) != keys(("x", str(constant)), {})
+
+
 def test_side_by_side_fields_are_refused_at_definition() -> None:
     from celery import Celery
 
