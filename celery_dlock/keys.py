@@ -233,6 +233,22 @@ ALWAYS_ESCAPED = "%{}"
 _CONSTANT_TEXTS = frozenset({"None", "True", "False"})
 
 
+#: Values a template fills in as their canonical JSON (their ``str()`` is not canonical: a
+#: set's order changes with each process's hash seed, a dict's with insertion order).
+_CONTAINERS = (list, tuple, dict, set, frozenset, bytes)
+#: Opens a container's text in a filled key: no string can fill in ``%j`` (a string's ``%``
+#: is always escaped, ``%25``), so a list and the string of its text differ.
+CONTAINER_MARK = "%json"
+
+
+def _address_only(value: Any) -> bool:
+    """Whether ``value``'s only text is ``object``'s, which holds its address: a different
+    key in every process."""
+    kind: Any = type(value)
+    return all(getattr(kind, name) is getattr(object, name)
+               for name in ("__format__", "__str__", "__repr__"))  # fmt: skip
+
+
 def _escapes(chars: str) -> dict[int, str]:
     return {ord(c): quote(c, safe="") for c in chars}
 
@@ -246,10 +262,22 @@ class Template:
     ``("acme:eu", "invoice-7")`` and ``("acme", "eu:invoice-7")`` fill different keys. A value
     without those characters is written as it always was. A str that reads ``None``, ``True``
     or ``False`` is encoded whole (``%4E%6F%6E%65``), so it differs from the constant.
-    Numbers and their decimal strings (``5``, ``"5"``) still fill the same text.
+    Numbers and their decimal strings (``5``, ``"5"``) still fill the same text. A list,
+    tuple, dict, set or bytes value fills in ``%json`` and its canonical JSON, escaped alike
+    (the same in every process, whatever the order; no string fills in ``%j``); an object
+    whose only text holds its address is refused, naming the argument. A format spec
+    (``{day:%Y-%m-%d}``, ``{n:>5}``) is applied as written: what it cuts or pads may merge
+    values.
     """
 
-    def __init__(self, parsed: Sequence[tuple[str, str | None, str | None, str | None]]) -> None:
+    def __init__(
+        self,
+        parsed: Sequence[tuple[str, str | None, str | None, str | None]],
+        task_name: str = "",
+        fix: str = UNKEYABLE_FIX,
+    ) -> None:
+        self._task_name = task_name
+        self._fix = fix
         formatter = string.Formatter()
         self._formatter = formatter
         self._parts: list[tuple[str, str | None, str, str | None, dict[int, str]]] = []
@@ -269,6 +297,11 @@ class Template:
             else:
                 value = self._formatter.get_field(field, (), values)[0]
             given_str = type(value) is str  # before a conversion: None!s is a str
+            if not spec and (isinstance(value, _CONTAINERS) or _address_only(value)):
+                where = f"argument {field!r} of task {self._task_name!r}"
+                json_text = _dumps(_canonical(value, where, self._fix))
+                out.append(CONTAINER_MARK + json_text.translate(table))
+                continue
             if conversion is not None:
                 value = self._formatter.convert_field(value, conversion)
             text = value if type(value) is str and not spec else format(value, spec)
@@ -398,7 +431,7 @@ class KeyBuilder:
                 f"would share one lock. Write lock_key=['{template}'] or '{{{template}}}' to "
                 "key on that argument."
             )
-        self._template = Template(parsed)
+        self._template = Template(parsed, self.task_name, self.fix)
         return fields
 
     def _simple(self) -> tuple[list[str], dict[str, Any]] | None:

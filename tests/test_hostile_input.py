@@ -273,6 +273,49 @@ def test_a_conversion_keeps_a_constant_and_its_text_apart(conversion: str, const
     assert keys(("x", constant), {}) != keys(("x", str(constant)), {})
 
 
+KEY_IN_A_PROCESS = """
+import json, sys
+from celery_dlock.keys import KeyBuilder
+def run(a, b): ...
+keys = KeyBuilder("t", run, "k:{a}:{b}")
+print(json.dumps([keys(({"alpha", "beta", "gamma", "delta"}, 1), {}),
+                  keys((frozenset({"x", "y", "z"}), 1), {})]))
+"""
+
+
+def test_a_container_fills_in_one_key_in_every_process() -> None:
+    """A publisher and a worker are two processes with two string hash seeds: a set filled in
+    by its ``str()`` came out in another order in each (on 6005d89 eight seeds gave up to 8
+    keys for one call, so a pickle or YAML task's two runs did not exclude each other)."""
+
+    def key_in_a_process(seed: int) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", KEY_IN_A_PROCESS], capture_output=True, text=True,
+            timeout=60, check=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout  # fmt: skip
+
+    keys = {key_in_a_process(seed) for seed in range(8)}
+    assert len(keys) == 1, keys
+
+
+def test_a_container_fills_in_a_canonical_text_no_string_can() -> None:
+    """Dict order does not matter; a list and the string of its ``str()`` are two resources;
+    an object keyed by its address (different in every process) is refused naming it."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(a: Any, b: Any) -> None: ...
+
+    keys = KeyBuilder("t", run, "k:{a}:{b}")
+    assert keys(({"b": 1, "a": 2}, 1), {}) == keys(({"a": 2, "b": 1}, 1), {})
+    assert keys((["y"], 1), {}) != keys(("['y']", 1), {})
+    assert keys((["y"], 1), {}) != keys(('["y"]', 1), {})
+    assert keys(({"k": 1}, 1), {}) != keys(("{'k': 1}", 1), {})
+    assert keys((b"x", 1), {}) != keys(("b'x'", 1), {})
+    assert keys((("y",), 1), {}) == keys((["y"], 1), {})  # as for the other key forms
+    with pytest.raises(ConfigError, match="argument 'a'"):
+        keys((object(), 1), {})
+
+
 def test_side_by_side_fields_are_refused_at_definition() -> None:
     from celery import Celery
 
