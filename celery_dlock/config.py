@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import unquote_plus, urlencode
 
 from celery_dlock.errors import ConfigError
 
@@ -67,7 +67,7 @@ def redact(url: Any) -> str:
             for i in range(colon + 1, at):
                 hidden[i] = True
     for match in _OPTION.finditer(url, start):
-        if secret_option(match.group(1)):
+        if secret_option(unquote_plus(match.group(1))):  # parsers decode names too
             end = _NEXT_OPTION.search(url, match.end())
             for i in range(match.end(), end.start() if end else len(url)):
                 hidden[i] = True
@@ -82,8 +82,9 @@ def redact(url: Any) -> str:
     return "".join(out)
 
 
-#: A query option's name, as it opens the option; and the start of the next one.
-_OPTION = re.compile(r"[?&]([A-Za-z_][A-Za-z0-9_.-]*)=")
+#: A query option's name (percent-encoded or not), as it opens the option; and the start of
+#: the next one.
+_OPTION = re.compile(r"[?&]([^&=#?]+)=")
 _NEXT_OPTION = re.compile(r"&[A-Za-z_][A-Za-z0-9_.-]*=")
 
 

@@ -82,6 +82,21 @@ def test_redact_hides_a_password_with_any_reserved_character(char: str) -> None:
 
 #: Tries each URL (argv[1], JSON) on an unreachable node, in a child process: the attempts
 #: leave retries behind (a void owed to a silent node), which must not outlive the test.
+@pytest.mark.parametrize(
+    "option", ["pass%77ord", "%70assword", "PASS%57ORD", "sentinel_%70assword", "pass%77ord[]"]
+)
+def test_a_password_option_whose_name_is_percent_encoded_is_hidden(option: str) -> None:
+    """redis-py decodes a query option's name (``?pass%77ord=`` is ``password``): on 6005d89
+    ``redact`` matched the name as written and printed the password."""
+    from redis.connection import parse_url
+
+    url = f"redis://127.0.0.1:1/0?db=0&{option}={password('&')}"
+    if option in ("pass%77ord", "%70assword"):
+        assert parse_url(url)["password"].startswith(HALVES[0])  # a password to redis-py
+    assert not leaked(redact(url)), redact(url)
+    assert redact(url).startswith("redis://127.0.0.1:1/0?db=0&")
+
+
 ATTEMPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.DEBUG)  # every library log line goes to stderr
