@@ -290,8 +290,22 @@ class Template:
         out: list[str] = []
         for literal, field, spec, conversion, table in self._parts:
             out.append(literal)
-            if field is None:
-                continue
+            if field is not None:
+                out.append(self._filled(values, field, spec, conversion, table))
+        return "".join(out)
+
+    def _filled(
+        self,
+        values: Mapping[str, Any],
+        field: str,
+        spec: str,
+        conversion: str | None,
+        table: dict[int, str],
+    ) -> str:
+        """One field's text; a value its index, attribute or spec does not fit (an empty list,
+        a str for ``{n:d}``) is a :class:`ConfigError` naming the argument."""
+        name = field.split(".", 1)[0].split("[", 1)[0]
+        try:
             if field in values:
                 value = values[field]
             else:
@@ -300,16 +314,22 @@ class Template:
             if not spec and (isinstance(value, _CONTAINERS) or _address_only(value)):
                 where = f"argument {field!r} of task {self._task_name!r}"
                 json_text = _dumps(_canonical(value, where, self._fix))
-                out.append(CONTAINER_MARK + json_text.translate(table))
-                continue
+                return CONTAINER_MARK + json_text.translate(table)
             if conversion is not None:
                 value = self._formatter.convert_field(value, conversion)
             text = value if type(value) is str and not spec else format(value, spec)
-            if given_str and text in _CONSTANT_TEXTS:
-                out.append("".join(f"%{ord(c):02X}" for c in text))
-            else:
-                out.append(text.translate(table))
-        return "".join(out)
+        except ConfigError:
+            raise
+        except (LookupError, AttributeError, TypeError, ValueError) as exc:
+            shown = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ConfigError(
+                f"task {self._task_name!r}: argument {name!r} ({_short(values.get(name))}) "
+                f"cannot fill lock_key field '{{{shown}}}' ({type(exc).__name__}: {exc}). "
+                "Check the value before sending it, or key with a lock_key callable."
+            ) from None
+        if given_str and text in _CONSTANT_TEXTS:
+            return "".join(f"%{ord(c):02X}" for c in text)
+        return text.translate(table)
 
 
 class KeyBuilder:

@@ -331,6 +331,31 @@ def test_a_container_fills_in_a_canonical_text_no_string_can() -> None:
         keys((object(), 1), {})
 
 
+@pytest.mark.parametrize(
+    ("template", "value"),
+    [
+        ("k:{a[0]}", []),
+        ("k:{a[k]}", {}),
+        ("k:{a[0]}", None),
+        ("k:{a.real}", "s"),
+        ("k:{a:d}", "5"),
+        ("k:{a:s}", None),
+    ],
+)
+def test_a_value_a_field_cannot_be_filled_from_is_a_config_error_naming_it(
+    template: str, value: Any
+) -> None:
+    """An index, attribute or format spec that a request's value does not fit (an empty list,
+    a str where an int was meant): on 6005d89 a bare IndexError, KeyError, AttributeError,
+    ValueError or TypeError that named neither the argument nor the template."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(a: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"task 't': argument 'a' \(.*\) cannot fill"):
+        KeyBuilder("t", run, template)((value,), {})
+
+
 def test_side_by_side_fields_are_refused_at_definition() -> None:
     from celery import Celery
 
