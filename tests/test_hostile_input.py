@@ -431,6 +431,70 @@ def test_a_worker_runs_its_tasks_as_the_acl_user_without_scan(celery_base: str, 
         assert refused.stderr.rstrip().endswith(f"ACL SETUSER dlock {acl_rules(operator=True)}")
 
 
+@pytest.mark.local_redis
+def test_the_worker_line_runs_beat_enqueue_time_locks_and_the_operator_commands_but_list(
+    celery_base: str, wa: Any
+) -> None:
+    """The workers' ACL line is enough for a LeaderScheduler beat (leader key, tick keys), an
+    enqueue-time lock taken by the publisher, and ``celery dlock show/release/check``; only
+    ``list`` and ``purge`` (SCAN) need the operator's line."""
+    import redis
+
+    from celery_dlock.redis.diagnose import acl_rules
+    from tests.workers import Beat
+
+    with RedisServer() as server:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command(
+            "ACL", "SETUSER", "dlock", "reset", "on", ">pw", "-@all", *acl_rules().split()
+        )
+        url = f"redis://dlock:pw@127.0.0.1:{server.port}/0"
+        env = {
+            "DLOCK_TEST_BROKER": with_db(celery_base, 10),
+            "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
+            "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
+            "DLOCK_TEST_LOCK_URLS": url,
+        }
+        journal = Journal(env["DLOCK_TEST_JOURNAL"])
+        journal.clear()
+        queue = "acl-beat"
+        # Beat sends to the default queue: this worker takes it too (the module's shared
+        # worker, if it runs, would key those ticks on its own Redis; the beat claims each
+        # tick on this one before it sends, which is what is under test).
+        worker = Worker(
+            env, journal, name="acl-beat", concurrency=2, queue=f"{queue},celery"
+        ).start()
+        beat_env = {**env, "DLOCK_TEST_BEAT": "acl-led:0", "DLOCK_TEST_BEAT_TTL": "3"}
+        beat = Beat(beat_env, name="acl-beat", scheduler="dlock").start()
+        previous = wa.app.conf.get("dlock_urls")
+        try:
+            from tests.workers import use_lock_urls
+
+            use_lock_urls(wa.app, [url])
+            held = wa.enqueued.apply_async(("acl-enq", 3.0), queue=queue)
+            journal.wait_for("start", timeout=20, id=held.id)
+            duplicate = wa.enqueued.apply_async(("acl-enq", 0.0), queue=queue)
+            journal.wait_for("start", timeout=30, count=2, name="acl-led")
+            shown = dlock_cli([url], "show", "beat-leader:worker_app", "--json")
+            checked = dlock_cli([url], "check", "--no-reach")
+            released = dlock_cli([url], "release", "beat-leader:worker_app", "--yes")
+            assert held.get(timeout=20) == "acl-enq"
+            beat_log = beat.log()
+        finally:
+            beat.stop()
+            worker.stop()
+            use_lock_urls(wa.app, previous)
+        log = worker.log()
+    assert duplicate.id != held.id
+    for name, text in (("worker", log), ("beat", beat_log)):
+        assert "NOPERM" not in text, (name, text)
+        assert "NoPermission" not in text, (name, text)
+    assert shown.returncode == 0, shown
+    assert json.loads(shown.stdout)["held"] is True, shown
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert released.returncode == 0, released.stdout + released.stderr
+
+
 # -- 4. the operator command's table cannot be forged or reach the terminal's escapes -------
 
 EVIL_KEY = "evil\nforged-row  x  y\x1b[2J\x1b]0;pwned\x07\u202e"
