@@ -540,6 +540,29 @@ def test_list_and_show_escape_keys_and_holder_fields(single_urls: list[str]) -> 
     assert {r["host"] for r in rows if r["key"] != EVIL_KEY} == {"\x1b[31mhost"}
 
 
+#: Characters Unicode says to draw as nothing (Default_Ignorable_Code_Point) that Python
+#: still calls printable: a key holding one looks like the key without it.
+INVISIBLE = "\u034f\u115f\u1160\u17b4\u17b5\u180b\u180f\u3164\ufe00\ufe0f\uffa0\U000e0100\U000e01ef"
+
+
+@pytest.mark.parametrize("char", list(INVISIBLE), ids=lambda c: f"U+{ord(c):04X}")
+def test_a_key_that_looks_like_another_is_shown_escaped(single_urls: list[str], char: str) -> None:
+    """``ab`` and ``a<char>b`` are two locks: ``dlock list`` must not print them
+    alike (on 6005d89 ``list`` printed these raw, as ``ab``: a combining grapheme joiner, variation
+    selectors, Hangul fillers), so an operator can tell which one to release."""
+    from celery_dlock.cli import printable
+
+    url = single_urls[0]
+    key = f"a{char}b"
+    escape = f"\\U{ord(char):08x}" if ord(char) > 0xFFFF else f"\\u{ord(char):04x}"
+    assert printable(key) == f"a{escape}b"
+    with lock([url], key, ttl=30):
+        table = dlock_cli([url], "list", "--prefix", "a")
+    assert table.returncode == 0, table.stderr
+    assert char not in table.stdout
+    assert printable(key) in table.stdout
+
+
 # -- 5. a lone surrogate is a library error, and costs the clean-up round nothing -----------
 
 
