@@ -115,12 +115,21 @@ def _dumps(value: Any) -> str:
     return "".join(_C_ENCODE(value, 0))
 
 
-def shorten(key: str) -> str:
-    """``key`` itself, or for a long one its first 64 characters and a digest of the whole."""
-    if len(key) <= LONG_KEY:
+#: What stands after a shortened key's first 64 characters.
+_DIGEST_MARK = "…sha256:"
+
+
+def shorten(key: str, lookalike: bool = False) -> str:
+    """``key`` itself, or for a long one its first 64 characters and a digest of the whole.
+
+    With ``lookalike``, a short key that reads like a shortened one (``…sha256:`` after its
+    first 64 characters) is shortened too: its text may come from a request, and whoever
+    knows a long call can compute that call's shortened key.
+    """
+    if len(key) <= LONG_KEY and not (lookalike and key[64:72] == _DIGEST_MARK):
         return key
     digest = hashlib.sha256(key.encode()).hexdigest()
-    return f"{key[:64]}…sha256:{digest}"
+    return f"{key[:64]}{_DIGEST_MARK}{digest}"
 
 
 #: Values that JSON and pickle give back as they were sent (exact types: ``bool`` is one, an
@@ -520,7 +529,8 @@ class KeyBuilder:
         self, template: str, fields: list[str], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> str:
         arguments = self._lookup(args, kwargs)
-        return shorten(self._template.fill({name: arguments.get(name) for name in fields}))
+        filled = self._template.fill({name: arguments.get(name) for name in fields})
+        return shorten(filled, lookalike=True)
 
     def _call(self, fn: KeyFunction, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         key = fn(args, kwargs)

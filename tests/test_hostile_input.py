@@ -356,6 +356,23 @@ def test_a_value_a_field_cannot_be_filled_from_is_a_config_error_naming_it(
         KeyBuilder("t", run, template)((value,), {})
 
 
+def test_a_value_cannot_forge_a_long_keys_shortened_form() -> None:
+    """A key longer than 200 characters is its first 64 and ``…sha256:<digest>``, all of
+    which anyone knowing the call can compute: on 6005d89 a request whose value was that text
+    (after the template's literal) filled in the very same key, and took the long call's
+    lock. A filled key that reads like a shortened one is shortened in turn."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(url: str) -> None: ...
+
+    keys = KeyBuilder("t", run, "fetch:{url}")
+    victim = keys(("https://example.com/" + "a" * 300,), {})
+    assert "…sha256:" in victim
+    forged = victim.removeprefix("fetch:")
+    assert keys((forged,), {}) != victim
+    assert keys((forged,), {}) == keys((forged,), {})
+
+
 def test_side_by_side_fields_are_refused_at_definition() -> None:
     from celery import Celery
 
