@@ -134,8 +134,9 @@ def tls_warnings(urls: Sequence[str]) -> list[str]:
         if not (scheme.startswith("rediss") or scheme == "zookeepers"):
             continue
         query = url.partition("?")[2].partition("#")[0]
-        options = {
-            name.lower(): value for name, _, value in (p.partition("=") for p in query.split("&"))
+        options = {  # decoded as redis-py decodes them: ssl%5Fcert%5Freqs=%6Eone is off too
+            unquote_plus(name).lower(): unquote_plus(value)
+            for name, _, value in (p.partition("=") for p in query.split("&"))
         }
         off = []
         if options.get("ssl_cert_reqs", "").lower() == "none":

@@ -793,6 +793,19 @@ def test_a_misspelt_ssl_cert_reqs_is_a_config_error_naming_it(given: str, meant:
     assert "pw" not in str(info.value).replace("password", "")
 
 
+@pytest.mark.parametrize(
+    "query",
+    ["ssl%5Fcert%5Freqs=none", "ssl_cert_reqs=%6Eone", "ssl_check_hostname=%66alse",
+     "ssl%5Fcheck%5Fhostname=no"],
+)  # fmt: skip
+def test_tls_warnings_read_options_as_redis_py_does(query: str) -> None:
+    """redis-py decodes a query option's name and value (``ssl%5Fcert%5Freqs=%6Eone`` turns
+    verification off): on 6005d89 neither spelling was warned of."""
+    from celery_dlock.config import tls_warnings
+
+    assert len(tls_warnings([f"rediss://127.0.0.1:1/0?{query}"])) == 1
+
+
 def test_tls_warnings_cover_every_tls_scheme_and_option() -> None:
     from celery_dlock.config import tls_warnings
 
