@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,20 +73,35 @@ _plain_errors = _errors_as(click.ClickException)
 
 def printable(text: str) -> str:
     """``text`` safe for a terminal: control characters (newline, ESC, ...), other
-    non-printable ones (bidi overrides, lone surrogates) and the backslash escaped as Python
+    non-printable ones (bidi overrides, lone surrogates), those drawn as nothing (variation
+    selectors, Hangul fillers: ``a\\u034fb`` is not ``ab``) and the backslash escaped as Python
     writes them (``\\n``, ``\\x1b``, ``\\u202e``, ``\\\\``), so a key or holder field read from the
     lock store cannot forge a table row or send the terminal escape sequences. Two different
     texts stay different."""
-    if text.isprintable() and "\\" not in text:
+    if text.isprintable() and "\\" not in text and not _INVISIBLE.search(text):
         return text
-    return "".join(c if c.isprintable() and c != "\\" else _escaped(c) for c in text)
+    return "".join(_escaped(c) if _shown_escaped(c) else c for c in text)
+
+
+#: Characters Unicode draws as nothing (Default_Ignorable_Code_Point) that Python calls
+#: printable: a combining grapheme joiner, Khmer and Mongolian invisible marks, Hangul
+#: fillers, variation selectors. Shown raw, ``a\u034fb`` would look like ``ab``.
+_INVISIBLE = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\U000e0000-\U000e0fff]"
+)
+
+
+def _shown_escaped(char: str) -> bool:
+    return not char.isprintable() or char == "\\" or _INVISIBLE.match(char) is not None
 
 
 def _escaped(char: str) -> str:
     if char == "\\":
         return "\\\\"
     text = repr(char)[1:-1]
-    return text if text.startswith("\\") else f"\\u{ord(char):04x}"
+    if text.startswith("\\"):
+        return text
+    return f"\\U{ord(char):08x}" if ord(char) > 0xFFFF else f"\\u{ord(char):04x}"
 
 
 def _app(ctx: click.Context) -> Any:

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import unquote_plus, urlencode
 
 from celery_dlock.errors import ConfigError
 
@@ -69,7 +69,7 @@ def redact(url: Any) -> str:
             for i in range(colon + 1, at):
                 hidden[i] = True
     for match in _OPTION.finditer(url, start):
-        if secret_option(match.group(1)):
+        if secret_option(unquote_plus(match.group(1))):  # parsers decode names too
             end = _NEXT_OPTION.search(url, match.end())
             for i in range(match.end(), end.start() if end else len(url)):
                 hidden[i] = True
@@ -84,8 +84,9 @@ def redact(url: Any) -> str:
     return "".join(out)
 
 
-#: A query option's name, as it opens the option; and the start of the next one.
-_OPTION = re.compile(r"[?&]([A-Za-z_][A-Za-z0-9_.-]*)=")
+#: A query option's name (percent-encoded or not), as it opens the option; and the start of
+#: the next one.
+_OPTION = re.compile(r"[?&]([^&=#?]+)=")
 _NEXT_OPTION = re.compile(r"&[A-Za-z_][A-Za-z0-9_.-]*=")
 
 
@@ -135,8 +136,9 @@ def tls_warnings(urls: Sequence[str]) -> list[str]:
         if not (scheme.startswith("rediss") or scheme == "zookeepers"):
             continue
         query = url.partition("?")[2].partition("#")[0]
-        options = {
-            name.lower(): value for name, _, value in (p.partition("=") for p in query.split("&"))
+        options = {  # decoded as redis-py decodes them: ssl%5Fcert%5Freqs=%6Eone is off too
+            unquote_plus(name).lower(): unquote_plus(value)
+            for name, _, value in (p.partition("=") for p in query.split("&"))
         }
         off = []
         if options.get("ssl_cert_reqs", "").lower() == "none":

@@ -26,6 +26,11 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 * ``worker_ready`` (worker parent): one line saying where the locks are, or one warning when
   the lock nodes cannot be reached, instead of every task finding out by itself and being
   requeued for minutes. An unreachable node may come back: the worker runs on.
+
+Not a signal: Celery's own printing of the settings (``celery report``, the worker's answer to
+``celery inspect conf``) hides a setting by its name (``PASS``, ``SECRET``, ``broker_url``,
+``*backend*``); ``dlock_urls`` is none of those, so :func:`_hide_lock_passwords` has it
+shown through :func:`~celery_dlock.config.redact` too.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import logging
 import socket
 from typing import Any
 
+import celery.app.utils
 from celery.platforms import EX_FAILURE
 from celery.signals import (
     beat_init,
@@ -47,7 +53,7 @@ from celery.signals import (
 
 from celery_dlock import admin, children
 from celery_dlock.beat import Tick, current_tick, mark_send
-from celery_dlock.config import backend_module
+from celery_dlock.config import backend_module, redact
 from celery_dlock.enqueue import enqueue_app, lock_unlabelled, settle_early, take_early
 from celery_dlock.errors import ConfigError
 from celery_dlock.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, REQUEUE_HEADERS
@@ -278,3 +284,32 @@ def refuse_unfit_pool(sender: Any = None, **_: Any) -> None:
     except ConfigError as exc:
         log_start.critical("celery_dlock: %s", exc)
         raise SystemExit(f"celery_dlock: ConfigError: {exc}") from exc
+
+
+def _hide_lock_passwords() -> None:
+    """Have Celery's settings filter (``celery report``, ``celery inspect conf``) show each
+    ``dlock_urls`` URL (``CELERY_DLOCK_URLS`` under Django too) with its password as ``***``.
+
+    Celery looks the filter up by its module name at each call, so it is wrapped there, once.
+    """
+    original: Any = celery.app.utils.filter_hidden_settings
+    if getattr(original, "hides_lock_passwords", False):
+        return
+
+    def filter_hidden_settings(conf: Any) -> Any:
+        shown = original(conf)
+        for name, value in list(shown.items()):
+            if isinstance(name, str) and name.lower().endswith("dlock_urls"):
+                if isinstance(value, str):
+                    shown[name] = redact(value)
+                elif isinstance(value, list | tuple):
+                    shown[name] = [redact(url) for url in value]
+                elif value is not None:
+                    shown[name] = "********"  # Celery's mask: not a URL or a list of them
+        return shown
+
+    filter_hidden_settings.hides_lock_passwords = True  # type: ignore[attr-defined]
+    celery.app.utils.filter_hidden_settings = filter_hidden_settings
+
+
+_hide_lock_passwords()

@@ -115,12 +115,21 @@ def _dumps(value: Any) -> str:
     return "".join(_C_ENCODE(value, 0))
 
 
-def shorten(key: str) -> str:
-    """``key`` itself, or for a long one its first 64 characters and a digest of the whole."""
-    if len(key) <= LONG_KEY:
+#: What stands after a shortened key's first 64 characters.
+_DIGEST_MARK = "…sha256:"
+
+
+def shorten(key: str, lookalike: bool = False) -> str:
+    """``key`` itself, or for a long one its first 64 characters and a digest of the whole.
+
+    With ``lookalike``, a short key that reads like a shortened one (``…sha256:`` after its
+    first 64 characters) is shortened too: its text may come from a request, and whoever
+    knows a long call can compute that call's shortened key.
+    """
+    if len(key) <= LONG_KEY and not (lookalike and key[64:72] == _DIGEST_MARK):
         return key
     digest = hashlib.sha256(key.encode()).hexdigest()
-    return f"{key[:64]}…sha256:{digest}"
+    return f"{key[:64]}{_DIGEST_MARK}{digest}"
 
 
 #: Values that JSON and pickle give back as they were sent (exact types: ``bool`` is one, an
@@ -233,6 +242,22 @@ ALWAYS_ESCAPED = "%{}"
 _CONSTANT_TEXTS = frozenset({"None", "True", "False"})
 
 
+#: Values a template fills in as their canonical JSON (their ``str()`` is not canonical: a
+#: set's order changes with each process's hash seed, a dict's with insertion order).
+_CONTAINERS = (list, tuple, dict, set, frozenset, bytes)
+#: Opens a container's text in a filled key: no string can fill in ``%j`` (a string's ``%``
+#: is always escaped, ``%25``), so a list and the string of its text differ.
+CONTAINER_MARK = "%json"
+
+
+def _address_only(value: Any) -> bool:
+    """Whether ``value``'s only text is ``object``'s, which holds its address: a different
+    key in every process."""
+    kind: Any = type(value)
+    return all(getattr(kind, name) is getattr(object, name)
+               for name in ("__format__", "__str__", "__repr__"))  # fmt: skip
+
+
 def _escapes(chars: str) -> dict[int, str]:
     return {ord(c): quote(c, safe="") for c in chars}
 
@@ -246,10 +271,22 @@ class Template:
     ``("acme:eu", "invoice-7")`` and ``("acme", "eu:invoice-7")`` fill different keys. A value
     without those characters is written as it always was. A str that reads ``None``, ``True``
     or ``False`` is encoded whole (``%4E%6F%6E%65``), so it differs from the constant.
-    Numbers and their decimal strings (``5``, ``"5"``) still fill the same text.
+    Numbers and their decimal strings (``5``, ``"5"``) still fill the same text. A list,
+    tuple, dict, set or bytes value fills in ``%json`` and its canonical JSON, escaped alike
+    (the same in every process, whatever the order; no string fills in ``%j``); an object
+    whose only text holds its address is refused, naming the argument. A format spec
+    (``{day:%Y-%m-%d}``, ``{n:>5}``) is applied as written: what it cuts or pads may merge
+    values.
     """
 
-    def __init__(self, parsed: Sequence[tuple[str, str | None, str | None, str | None]]) -> None:
+    def __init__(
+        self,
+        parsed: Sequence[tuple[str, str | None, str | None, str | None]],
+        task_name: str = "",
+        fix: str = UNKEYABLE_FIX,
+    ) -> None:
+        self._task_name = task_name
+        self._fix = fix
         formatter = string.Formatter()
         self._formatter = formatter
         self._parts: list[tuple[str, str | None, str, str | None, dict[int, str]]] = []
@@ -262,20 +299,46 @@ class Template:
         out: list[str] = []
         for literal, field, spec, conversion, table in self._parts:
             out.append(literal)
-            if field is None:
-                continue
+            if field is not None:
+                out.append(self._filled(values, field, spec, conversion, table))
+        return "".join(out)
+
+    def _filled(
+        self,
+        values: Mapping[str, Any],
+        field: str,
+        spec: str,
+        conversion: str | None,
+        table: dict[int, str],
+    ) -> str:
+        """One field's text; a value its index, attribute or spec does not fit (an empty list,
+        a str for ``{n:d}``) is a :class:`ConfigError` naming the argument."""
+        name = field.split(".", 1)[0].split("[", 1)[0]
+        try:
             if field in values:
                 value = values[field]
             else:
                 value = self._formatter.get_field(field, (), values)[0]
+            given_str = type(value) is str  # before a conversion: None!s is a str
+            if not spec and (isinstance(value, _CONTAINERS) or _address_only(value)):
+                where = f"argument {field!r} of task {self._task_name!r}"
+                json_text = _dumps(_canonical(value, where, self._fix))
+                return CONTAINER_MARK + json_text.translate(table)
             if conversion is not None:
                 value = self._formatter.convert_field(value, conversion)
             text = value if type(value) is str and not spec else format(value, spec)
-            if type(value) is str and text in _CONSTANT_TEXTS:
-                out.append("".join(f"%{ord(c):02X}" for c in text))
-            else:
-                out.append(text.translate(table))
-        return "".join(out)
+        except ConfigError:
+            raise
+        except (LookupError, AttributeError, TypeError, ValueError) as exc:
+            shown = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ConfigError(
+                f"task {self._task_name!r}: argument {name!r} ({_short(values.get(name))}) "
+                f"cannot fill lock_key field '{{{shown}}}' ({type(exc).__name__}: {exc}). "
+                "Check the value before sending it, or key with a lock_key callable."
+            ) from None
+        if given_str and text in _CONSTANT_TEXTS:
+            return "".join(f"%{ord(c):02X}" for c in text)
+        return text.translate(table)
 
 
 class KeyBuilder:
@@ -397,7 +460,7 @@ class KeyBuilder:
                 f"would share one lock. Write lock_key=['{template}'] or '{{{template}}}' to "
                 "key on that argument."
             )
-        self._template = Template(parsed)
+        self._template = Template(parsed, self.task_name, self.fix)
         return fields
 
     def _simple(self) -> tuple[list[str], dict[str, Any]] | None:
@@ -466,7 +529,8 @@ class KeyBuilder:
         self, template: str, fields: list[str], args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> str:
         arguments = self._lookup(args, kwargs)
-        return shorten(self._template.fill({name: arguments.get(name) for name in fields}))
+        filled = self._template.fill({name: arguments.get(name) for name in fields})
+        return shorten(filled, lookalike=True)
 
     def _call(self, fn: KeyFunction, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         key = fn(args, kwargs)

@@ -202,3 +202,26 @@ def test_the_compat_classes_on_redlock(redlock_urls: list[str]) -> None:
     assert once._dlock().manager is single._dlock().manager
     assert clear_locks(app) == [single.lock_key_for((1,), {})]  # queued Singleton keys only
     assert single.apply_async((1,), queue=IDLE) != first
+
+
+def test_a_running_key_is_no_other_calls_queued_key(single_urls: list[str]) -> None:
+    """QueueOnce with ``unlock_before_run`` runs a call under its key plus ``:running``; with
+    a ``lock_key`` template the last value was filled in with ':' unescaped, so on 6005d89
+    the call ``'x'`` running held the queued key of the call ``'x:running'``, which was refused
+    as already queued (one request blocked another resource)."""
+    from celery_dlock import lock
+
+    app = make_app(single_urls)
+
+    @app.task(base=QueueOnce, shared=False, once={"unlock_before_run": True}, lock_key="k:{a}")
+    def t(a: str) -> None:
+        pass
+
+    running = t._execution_key(t.lock_key_for(("x",), {}), None)
+    assert running != t.lock_key_for(("x:running",), {})
+    with lock(single_urls, running, ttl=10):  # what the run of ('x',) holds
+        queued = t.apply_async(("x:running",), queue=IDLE)
+    assert queued.id
+    from celery_dlock import admin
+
+    admin.release(single_urls, t.lock_key_for(("x:running",), {}))  # the message stays queued

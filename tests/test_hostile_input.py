@@ -82,6 +82,21 @@ def test_redact_hides_a_password_with_any_reserved_character(char: str) -> None:
 
 #: Tries each URL (argv[1], JSON) on an unreachable node, in a child process: the attempts
 #: leave retries behind (a void owed to a silent node), which must not outlive the test.
+@pytest.mark.parametrize(
+    "option", ["pass%77ord", "%70assword", "PASS%57ORD", "sentinel_%70assword", "pass%77ord[]"]
+)
+def test_a_password_option_whose_name_is_percent_encoded_is_hidden(option: str) -> None:
+    """redis-py decodes a query option's name (``?pass%77ord=`` is ``password``): on 6005d89
+    ``redact`` matched the name as written and printed the password."""
+    from redis.connection import parse_url
+
+    url = f"redis://127.0.0.1:1/0?db=0&{option}={password('&')}"
+    if option in ("pass%77ord", "%70assword"):
+        assert parse_url(url)["password"].startswith(HALVES[0])  # a password to redis-py
+    assert not leaked(redact(url)), redact(url)
+    assert redact(url).startswith("redis://127.0.0.1:1/0?db=0&")
+
+
 ATTEMPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.DEBUG)  # every library log line goes to stderr
@@ -142,34 +157,26 @@ def guarded() -> Iterator[RedisServer]:
 
 
 @pytest.mark.local_redis
+@pytest.mark.parametrize("level", ["INFO", "DEBUG"])
 def test_a_raw_slash_password_is_never_printed_by_a_worker_or_the_cli(
-    guarded: RedisServer, celery_base: str
+    guarded: RedisServer, celery_base: str, tmp_path: Path, level: str
 ) -> None:
-    """A real prefork worker whose ``dlock_urls`` holds ``redis://:s3cr/etX9@...``: such a URL
-    can never work (parsers split it inside the password), so the worker stops at start, and
-    neither its log (what to fix, with the password hidden) nor ``celery dlock
-    list/show/check`` shows the password (on c53a04b the worker started, and its start-up
-    warning, every task's error and result record and the CLI printed it)."""
+    """A real worker whose ``dlock_urls`` holds ``redis://:s3cr/etX9@...`` stops at start
+    (such a URL cannot authenticate) saying to percent-encode, its log at INFO and DEBUG never
+    showing the password; nor do ``celery dlock list/show/check``. (On c53a04b the worker ran,
+    and its warning, each task's error and traceback and the result record showed it; since
+    the merge of issue 32 it stops at start, which this test, written when it still ran,
+    failed on at 6005d89: 'worker hostile-url did not start'.)"""
+    from tests.test_worker_config import worker
+
     url = f"redis://:{password('/')}@127.0.0.1:{guarded.port}/0"
-    env = {
-        "DLOCK_TEST_BROKER": with_db(celery_base, 10),
-        "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
-        "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
-        "DLOCK_TEST_LOCK_URLS": url,
-    }
-    journal = Journal(env["DLOCK_TEST_JOURNAL"])
-    journal.clear()
-    worker = Worker(env, journal, name="hostile-url", concurrency=1, queue="hostile-url")
-    with pytest.raises(AssertionError, match="did not start"):
-        worker.start(timeout=60)
-    try:
-        assert worker.process is not None
-        assert worker.process.wait(timeout=60) != 0
-        texts = {"worker log": worker.log()}
-    finally:
-        worker.stop()
-    assert "percent-encode" in texts["worker log"]  # the start-up error says what to fix
-    assert "redis://:***@" in texts["worker log"]
+    code, output = worker(
+        tmp_path, "hostile_url", with_db(celery_base, 10), f"app.conf.dlock_urls = [{url!r}]",
+        args=("-l", level),
+    )  # fmt: skip
+    assert code not in (None, 0), output[-3000:]
+    assert "percent-encode" in output, output[-3000:]
+    texts = {"worker log": output}
     for args in (["list"], ["show", "k"], ["check"]):
         done = dlock_cli([url], *args)
         texts[f"dlock {args[0]}"] = done.stdout + done.stderr
@@ -192,6 +199,40 @@ def test_a_raw_at_and_colon_password_works_and_is_never_printed() -> None:
         assert f"redis://:***@127.0.0.1:{server.port}/0" in shown.stdout
         assert not leaked(shown.stdout + shown.stderr)
         assert json.loads(dlock_cli([url], "show", "works", "--json").stdout)["held"] is False
+
+
+REPORT_APP = """
+from celery import Celery
+import celery_dlock  # noqa: F401  (what an app using the library imports)
+app = Celery("report_app", broker="redis://127.0.0.1:1/0")
+app.conf.dlock_urls = {urls!r}
+"""
+
+
+def test_celery_report_and_inspect_conf_hide_the_lock_urls_passwords(tmp_path: Path) -> None:
+    """``celery report`` prints every setting changed, and a worker answers ``celery inspect
+    conf`` with ``app.conf.table()``: Celery hides settings by name (``PASS``, ``SECRET``,
+    ``broker_url``, ``*backend*``), which ``dlock_urls`` is not, so on 6005d89 both printed its
+    passwords whole. Each URL form, raw and encoded."""
+    urls = [url for _, url in raw_and_encoded()]
+    (tmp_path / "report_app.py").write_text(REPORT_APP.format(urls=urls))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    celery = [sys.executable, "-m", "celery", "-A", "report_app"]
+    report = subprocess.run(
+        [*celery, "report"], capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert report.returncode == 0, report.stderr
+    assert "dlock_urls" in report.stdout
+    table = subprocess.run(
+        [sys.executable, "-c", "import json, report_app; "
+         "print(json.dumps(report_app.app.conf.table(), default=repr))"],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert table.returncode == 0, table.stderr
+    shown = json.loads(table.stdout)["dlock_urls"]
+    assert "127.0.0.1:1" in "".join(shown)  # the hosts are still shown
+    assert not leaked(report.stdout + report.stderr), report.stdout
+    assert not leaked(table.stdout), shown
 
 
 # -- 2. a filled template is injective in its arguments --------------------------------------
@@ -220,6 +261,104 @@ def test_two_calls_a_separator_could_merge_run_both_in_a_real_worker(
         "meta:src:None",
         "meta:src:%4E%6F%6E%65",
     ]
+
+
+@pytest.mark.parametrize("conversion", ["", "!s", "!r", "!a"])
+@pytest.mark.parametrize("constant", [None, True, False])
+def test_a_conversion_keeps_a_constant_and_its_text_apart(conversion: str, constant: Any) -> None:
+    """``{b!s}`` turns ``None`` into the str ``"None"`` before it is filled in: on 6005d89 it was
+    then encoded as a str reading ``None`` is, and ``None`` and ``"None"`` shared one key."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(a: Any, b: Any) -> None: ...
+
+    keys = KeyBuilder("t", run, f"k:{{a}}:{{b{conversion}}}")
+    assert keys(("x", constant), {}) != keys(("x", str(constant)), {})
+
+
+KEY_IN_A_PROCESS = """
+import json, sys
+from celery_dlock.keys import KeyBuilder
+def run(a, b): ...
+keys = KeyBuilder("t", run, "k:{a}:{b}")
+print(json.dumps([keys(({"alpha", "beta", "gamma", "delta"}, 1), {}),
+                  keys((frozenset({"x", "y", "z"}), 1), {})]))
+"""
+
+
+def test_a_container_fills_in_one_key_in_every_process() -> None:
+    """A publisher and a worker are two processes with two string hash seeds: a set filled in
+    by its ``str()`` came out in another order in each (on 6005d89 eight seeds gave up to 8
+    keys for one call, so a pickle or YAML task's two runs did not exclude each other)."""
+
+    def key_in_a_process(seed: int) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", KEY_IN_A_PROCESS], capture_output=True, text=True,
+            timeout=60, check=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout  # fmt: skip
+
+    keys = {key_in_a_process(seed) for seed in range(8)}
+    assert len(keys) == 1, keys
+
+
+def test_a_container_fills_in_a_canonical_text_no_string_can() -> None:
+    """Dict order does not matter; a list and the string of its ``str()`` are two resources;
+    an object keyed by its address (different in every process) is refused naming it."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(a: Any, b: Any) -> None: ...
+
+    keys = KeyBuilder("t", run, "k:{a}:{b}")
+    assert keys(({"b": 1, "a": 2}, 1), {}) == keys(({"a": 2, "b": 1}, 1), {})
+    assert keys((["y"], 1), {}) != keys(("['y']", 1), {})
+    assert keys((["y"], 1), {}) != keys(('["y"]', 1), {})
+    assert keys(({"k": 1}, 1), {}) != keys(("{'k': 1}", 1), {})
+    assert keys((b"x", 1), {}) != keys(("b'x'", 1), {})
+    assert keys((("y",), 1), {}) == keys((["y"], 1), {})  # as for the other key forms
+    with pytest.raises(ConfigError, match="argument 'a'"):
+        keys((object(), 1), {})
+
+
+@pytest.mark.parametrize(
+    ("template", "value"),
+    [
+        ("k:{a[0]}", []),
+        ("k:{a[k]}", {}),
+        ("k:{a[0]}", None),
+        ("k:{a.real}", "s"),
+        ("k:{a:d}", "5"),
+        ("k:{a:s}", None),
+    ],
+)
+def test_a_value_a_field_cannot_be_filled_from_is_a_config_error_naming_it(
+    template: str, value: Any
+) -> None:
+    """An index, attribute or format spec that a request's value does not fit (an empty list,
+    a str where an int was meant): on 6005d89 a bare IndexError, KeyError, AttributeError,
+    ValueError or TypeError that named neither the argument nor the template."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(a: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"task 't': argument 'a' \(.*\) cannot fill"):
+        KeyBuilder("t", run, template)((value,), {})
+
+
+def test_a_value_cannot_forge_a_long_keys_shortened_form() -> None:
+    """A key longer than 200 characters is its first 64 and ``…sha256:<digest>``, all of
+    which anyone knowing the call can compute: on 6005d89 a request whose value was that text
+    (after the template's literal) filled in the very same key, and took the long call's
+    lock. A filled key that reads like a shortened one is shortened in turn."""
+    from celery_dlock.keys import KeyBuilder
+
+    def run(url: str) -> None: ...
+
+    keys = KeyBuilder("t", run, "fetch:{url}")
+    victim = keys(("https://example.com/" + "a" * 300,), {})
+    assert "…sha256:" in victim
+    forged = victim.removeprefix("fetch:")
+    assert keys((forged,), {}) != victim
+    assert keys((forged,), {}) == keys((forged,), {})
 
 
 def test_side_by_side_fields_are_refused_at_definition() -> None:
@@ -297,6 +436,70 @@ def test_a_worker_runs_its_tasks_as_the_acl_user_without_scan(celery_base: str, 
         assert refused.stderr.rstrip().endswith(f"ACL SETUSER dlock {acl_rules(operator=True)}")
 
 
+@pytest.mark.local_redis
+def test_the_worker_line_runs_beat_enqueue_time_locks_and_the_operator_commands_but_list(
+    celery_base: str, wa: Any
+) -> None:
+    """The workers' ACL line is enough for a LeaderScheduler beat (leader key, tick keys), an
+    enqueue-time lock taken by the publisher, and ``celery dlock show/release/check``; only
+    ``list`` and ``purge`` (SCAN) need the operator's line."""
+    import redis
+
+    from celery_dlock.redis.diagnose import acl_rules
+    from tests.workers import Beat
+
+    with RedisServer() as server:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command(
+            "ACL", "SETUSER", "dlock", "reset", "on", ">pw", "-@all", *acl_rules().split()
+        )
+        url = f"redis://dlock:pw@127.0.0.1:{server.port}/0"
+        env = {
+            "DLOCK_TEST_BROKER": with_db(celery_base, 10),
+            "DLOCK_TEST_BACKEND": with_db(celery_base, 11),
+            "DLOCK_TEST_JOURNAL": with_db(celery_base, 13),
+            "DLOCK_TEST_LOCK_URLS": url,
+        }
+        journal = Journal(env["DLOCK_TEST_JOURNAL"])
+        journal.clear()
+        queue = "acl-beat"
+        # Beat sends to the default queue: this worker takes it too (the module's shared
+        # worker, if it runs, would key those ticks on its own Redis; the beat claims each
+        # tick on this one before it sends, which is what is under test).
+        worker = Worker(
+            env, journal, name="acl-beat", concurrency=2, queue=f"{queue},celery"
+        ).start()
+        beat_env = {**env, "DLOCK_TEST_BEAT": "acl-led:0", "DLOCK_TEST_BEAT_TTL": "3"}
+        beat = Beat(beat_env, name="acl-beat", scheduler="dlock").start()
+        previous = wa.app.conf.get("dlock_urls")
+        try:
+            from tests.workers import use_lock_urls
+
+            use_lock_urls(wa.app, [url])
+            held = wa.enqueued.apply_async(("acl-enq", 3.0), queue=queue)
+            journal.wait_for("start", timeout=20, id=held.id)
+            duplicate = wa.enqueued.apply_async(("acl-enq", 0.0), queue=queue)
+            journal.wait_for("start", timeout=30, count=2, name="acl-led")
+            shown = dlock_cli([url], "show", "beat-leader:worker_app", "--json")
+            checked = dlock_cli([url], "check", "--no-reach")
+            released = dlock_cli([url], "release", "beat-leader:worker_app", "--yes")
+            assert held.get(timeout=20) == "acl-enq"
+            beat_log = beat.log()
+        finally:
+            beat.stop()
+            worker.stop()
+            use_lock_urls(wa.app, previous)
+        log = worker.log()
+    assert duplicate.id != held.id
+    for name, text in (("worker", log), ("beat", beat_log)):
+        assert "NOPERM" not in text, (name, text)
+        assert "NoPermission" not in text, (name, text)
+    assert shown.returncode == 0, shown
+    assert json.loads(shown.stdout)["held"] is True, shown
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert released.returncode == 0, released.stdout + released.stderr
+
+
 # -- 4. the operator command's table cannot be forged or reach the terminal's escapes -------
 
 EVIL_KEY = "evil\nforged-row  x  y\x1b[2J\x1b]0;pwned\x07\u202e"
@@ -340,6 +543,29 @@ def test_list_and_show_escape_keys_and_holder_fields(single_urls: list[str]) -> 
     rows = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert sorted(r["key"] for r in rows) == sorted([EVIL_KEY, "other\x1b[1m"])
     assert {r["host"] for r in rows if r["key"] != EVIL_KEY} == {"\x1b[31mhost"}
+
+
+#: Characters Unicode says to draw as nothing (Default_Ignorable_Code_Point) that Python
+#: still calls printable: a key holding one looks like the key without it.
+INVISIBLE = "\u034f\u115f\u1160\u17b4\u17b5\u180b\u180f\u3164\ufe00\ufe0f\uffa0\U000e0100\U000e01ef"
+
+
+@pytest.mark.parametrize("char", list(INVISIBLE), ids=lambda c: f"U+{ord(c):04X}")
+def test_a_key_that_looks_like_another_is_shown_escaped(single_urls: list[str], char: str) -> None:
+    """``ab`` and ``a<char>b`` are two locks: ``dlock list`` must not print them
+    alike (on 6005d89 ``list`` printed these raw, as ``ab``: a combining grapheme joiner, variation
+    selectors, Hangul fillers), so an operator can tell which one to release."""
+    from celery_dlock.cli import printable
+
+    url = single_urls[0]
+    key = f"a{char}b"
+    escape = f"\\U{ord(char):08x}" if ord(char) > 0xFFFF else f"\\u{ord(char):04x}"
+    assert printable(key) == f"a{escape}b"
+    with lock([url], key, ttl=30):
+        table = dlock_cli([url], "list", "--prefix", "a")
+    assert table.returncode == 0, table.stderr
+    assert char not in table.stdout
+    assert printable(key) in table.stdout
 
 
 # -- 5. a lone surrogate is a library error, and costs the clean-up round nothing -----------
@@ -565,6 +791,19 @@ def test_a_misspelt_ssl_cert_reqs_is_a_config_error_naming_it(given: str, meant:
     assert f"ssl_cert_reqs={given!r} is not one of required, optional, none" in str(info.value)
     assert f"did you mean {meant!r}?" in str(info.value)
     assert "pw" not in str(info.value).replace("password", "")
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["ssl%5Fcert%5Freqs=none", "ssl_cert_reqs=%6Eone", "ssl_check_hostname=%66alse",
+     "ssl%5Fcheck%5Fhostname=no"],
+)  # fmt: skip
+def test_tls_warnings_read_options_as_redis_py_does(query: str) -> None:
+    """redis-py decodes a query option's name and value (``ssl%5Fcert%5Freqs=%6Eone`` turns
+    verification off): on 6005d89 neither spelling was warned of."""
+    from celery_dlock.config import tls_warnings
+
+    assert len(tls_warnings([f"rediss://127.0.0.1:1/0?{query}"])) == 1
 
 
 def test_tls_warnings_cover_every_tls_scheme_and_option() -> None:

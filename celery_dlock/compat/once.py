@@ -332,4 +332,10 @@ class QueueOnce(PeerTask):
             nonce = getattr(request, HEADER_QUEUED, None)
             if isinstance(nonce, str):
                 self._dlock().manager.release_nonce(key, nonce)
-        return f"{key}:running"
+        return key + self._running_suffix()
+
+    def _running_suffix(self) -> str:
+        """What a run's key adds to its call's key. After a template's key ``%3Arunning``: no
+        value can fill that in (a value's ``%`` is always escaped), where ``'x'``'s
+        ``k:x:running`` would be the call ``'x:running'``'s key."""
+        return "%3Arunning" if isinstance(self.lock_key, str) else ":running"
