@@ -209,3 +209,55 @@ def test_a_redlock_waiter_that_took_a_node_the_holder_lacks_is_still_woken(
         thread.join(60)
         made.close()
 
+
+def _blocked(plain: redis.Redis) -> int:
+    return sum(1 for c in plain.client_list() if c["cmd"] == "blpop")
+
+
+def test_a_shorter_refusal_never_cuts_the_waiter_marker_another_waiter_relies_on(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # B blocks until the first holder's expiry (60 s away). The key passes to W (woken first)
+    # with a 2 s ttl; C, a caller with a 1 s ttl, is refused by W and gives up. C's refusal
+    # must not shorten the marker B's refusal set: W's release, once C's marker would have
+    # expired, must still wake B, not leave it blocked until the first holder's old expiry.
+    plain = client(single_urls[0])
+    first = manager.acquire("mixed", ttl=60, renew=False)
+    woken: list[float] = []
+    w_holds = threading.Event()
+    w_may_release = threading.Event()
+
+    def w() -> None:
+        lease = manager.acquire("mixed", ttl=2, wait=90)  # renewed while held
+        w_holds.set()
+        w_may_release.wait(30)
+        lease.release()
+
+    def b() -> None:
+        manager.acquire("mixed", ttl=60, wait=90, renew=False).release()
+        woken.append(time.monotonic())
+
+    threads = [threading.Thread(target=w), threading.Thread(target=b)]
+    try:
+        for n, thread in enumerate(threads, 1):  # W blocks first: the release wakes W
+            thread.start()
+            deadline = time.monotonic() + 10
+            while _blocked(plain) < n:
+                assert time.monotonic() < deadline, "the waiter never blocked"
+        first.release()
+        assert w_holds.wait(10), "W was not woken by the first release"
+        with pytest.raises(LockContended):
+            manager.acquire("mixed", ttl=1, wait=0.2, renew=False)
+        # W holds past what C's refusal alone sets the marker for (W's time left, at most
+        # 2 s, plus 1 s): time the test's ttls control, not host speed.
+        time.sleep(3.5)
+        released = time.monotonic()
+        w_may_release.set()
+        threads[0].join(10)
+        threads[1].join(20)
+        assert woken, "B was not woken by W's release within 20 s (it waits out 60 s)"
+        assert woken[0] - released < 20
+    finally:
+        w_may_release.set()
+        for thread in threads:
+            thread.join(70)
