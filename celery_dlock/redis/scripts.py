@@ -309,7 +309,10 @@ return out
 #: held by that acquisition on this node (a marker is left anyway, for a node that missed it).
 #:
 #: The fencing counter moves on at once, so the revoked holder's token is stale before any
-#: new holder writes.
+#: new holder writes. A missing counter (expired while the lease was held longer than the
+#: retention, or lost) stays missing: the next acquisition floors it at the server clock.
+#: Starting it at 1 would make Redlock, which floors only a missing counter, issue token 2,
+#: below the revoked holder's.
 FORCE_RELEASE = """
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
 local cur = redis.call('GET', KEYS[1])
@@ -317,7 +320,7 @@ if not cur or not string.find(cur, '"token":"' .. ARGV[1] .. '"', 1, true) then
   return 0
 end
 redis.call('DEL', KEYS[1])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+local last = tonumber(redis.call('GET', KEYS[2]) or '')
 if last and last >= 0 and last < MAX_TOKEN then
   redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
 end
