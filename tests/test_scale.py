@@ -286,3 +286,18 @@ def test_a_forced_release_after_the_fence_counter_expired_never_lowers_the_token
         lease.release()
     finally:
         made.close()
+
+
+def test_a_redlock_fence_write_back_keeps_the_acquisitions_own_retention(
+    redlock_urls: list[str],
+) -> None:
+    # A one-shot key (beat's tick keys) asks for a counter kept only as long as the key. On a
+    # fresh key the nodes' counters disagree (each starts at its own clock), and the ones
+    # below the token are written back: with that same retention, not the default day.
+    made = LockManager(Settings(urls=redlock_urls))
+    try:
+        made.acquire("tick", ttl=5, renew=False, fence_retention=5).release()
+        ttls = [client(u).pttl("dlock:{tick}:fence") for u in redlock_urls]
+    finally:
+        made.close()
+    assert all(ttl <= 5000 for ttl in ttls), f"fence counter ttls (ms): {ttls}"
