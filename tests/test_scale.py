@@ -266,10 +266,10 @@ def test_a_shorter_refusal_never_cuts_the_waiter_marker_another_waiter_relies_on
 def test_a_forced_release_after_the_fence_counter_expired_never_lowers_the_token(
     redlock_urls: list[str],
 ) -> None:
-    # A lease held longer than the fence retention (one day by default) outlives
-    # its counter (deleted here: what its expiry does). An operator's forced release then must not start a counter at 1: Redlock
-    # floors only a missing counter at the clock, so the next token would be 2, far below
-    # the revoked holder's, the very holder fencing exists to shut out.
+    # A lease held longer than the fence retention (one day by default) outlives its counter
+    # (deleted here: what its expiry does). An operator's forced release then must not start
+    # a counter at 1: Redlock floors only a missing counter at the clock, so the next token
+    # would be 2, far below the revoked holder's, the very holder fencing exists to shut out.
     made = LockManager(Settings(urls=redlock_urls))
     try:
         lease = made.acquire("long", ttl=60, renew=False)
