@@ -6,6 +6,11 @@ Each test reads the server's own account (key ttls, the slow log, ``CLIENT LIST`
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -301,3 +306,59 @@ def test_a_redlock_fence_write_back_keeps_the_acquisitions_own_retention(
     finally:
         made.close()
     assert all(ttl <= 5000 for ttl in ttls), f"fence counter ttls (ms): {ttls}"
+
+
+#: A waiter process that stops itself (SIGSTOP) after its refused attempt, just before it
+#: blocks on the signal list: a pause the test then ends with SIGCONT.
+_PAUSED_WAITER = """
+import os, signal, sys
+import celery_dlock.redis.redlock as redlock
+from celery_dlock.config import Settings
+real = redlock.blocking_pop
+def paused(node, key, seconds):
+    print("blocking", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real(node, key, seconds)
+redlock.blocking_pop = paused
+manager = redlock.LockManager(Settings(urls=sys.argv[1:]))
+manager.acquire("paused", ttl=3, wait=None, renew=False).release()
+print("got", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
+    nodes: int, single_urls: list[str], redlock_urls: list[str]
+) -> None:
+    # docs/guarantees.md: a waiter paused for more than a second between its refusal and its
+    # block can miss the release, and then gets the key when its block (the holder's time
+    # left, 3 s at most here) times out: late, never not at all, with wait=None too.
+    urls = single_urls if nodes == 1 else redlock_urls[:3]
+    made = LockManager(Settings(urls=urls))
+    holder = made.acquire("paused", ttl=3)  # renewed while the waiter is stopped
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_WAITER, *urls], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "blocking"
+        plains = [client(u) for u in urls]
+        deadline = time.monotonic() + 15  # the marker lasts the 3 s ttl plus 1 s
+        while any(p.exists("dlock:{paused}:waiting") for p in plains):
+            assert time.monotonic() < deadline, "the waiter marker never expired"
+            time.sleep(0.05)
+        holder.release()  # wakes nobody: the marker is gone
+        released = time.monotonic()
+        os.kill(child.pid, signal.SIGCONT)
+        ready, _, _ = select.select([child.stdout], [], [], 3 + 10)
+        assert ready, "the paused waiter never got the key"
+        assert child.stdout.readline().strip() == "got"
+        assert time.monotonic() - released < 3 + 10
+        assert child.wait(10) == 0
+    finally:
+        holder.release()
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+        made.close()
