@@ -6,6 +6,11 @@ Each test reads the server's own account (key ttls, the slow log, ``CLIENT LIST`
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -208,4 +213,153 @@ def test_a_redlock_waiter_that_took_a_node_the_holder_lacks_is_still_woken(
         assert got == [True], "the waiter was not woken by the release"
     finally:
         thread.join(60)
+        made.close()
+
+
+def _blocked(plain: redis.Redis) -> int:
+    return sum(1 for c in plain.client_list() if c["cmd"] == "blpop")
+
+
+def test_a_shorter_refusal_never_cuts_the_waiter_marker_another_waiter_relies_on(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # B blocks until the first holder's expiry (60 s away). The key passes to W (woken first)
+    # with a 2 s ttl; C, a caller with a 1 s ttl, is refused by W and gives up. C's refusal
+    # must not shorten the marker B's refusal set: W's release, once C's marker would have
+    # expired, must still wake B, not leave it blocked until the first holder's old expiry.
+    plain = client(single_urls[0])
+    first = manager.acquire("mixed", ttl=60, renew=False)
+    woken: list[float] = []
+    w_holds = threading.Event()
+    w_may_release = threading.Event()
+
+    def w() -> None:
+        lease = manager.acquire("mixed", ttl=2, wait=90)  # renewed while held
+        w_holds.set()
+        w_may_release.wait(30)
+        lease.release()
+
+    def b() -> None:
+        manager.acquire("mixed", ttl=60, wait=90, renew=False).release()
+        woken.append(time.monotonic())
+
+    threads = [threading.Thread(target=w), threading.Thread(target=b)]
+    try:
+        for n, thread in enumerate(threads, 1):  # W blocks first: the release wakes W
+            thread.start()
+            deadline = time.monotonic() + 10
+            while _blocked(plain) < n:
+                assert time.monotonic() < deadline, "the waiter never blocked"
+        first.release()
+        assert w_holds.wait(10), "W was not woken by the first release"
+        with pytest.raises(LockContended):
+            manager.acquire("mixed", ttl=1, wait=0.2, renew=False)
+        # W holds past what C's refusal alone sets the marker for (W's time left, at most
+        # 2 s, plus 1 s): time the test's ttls control, not host speed.
+        time.sleep(3.5)
+        released = time.monotonic()
+        w_may_release.set()
+        threads[0].join(10)
+        threads[1].join(20)
+        assert woken, "B was not woken by W's release within 20 s (it waits out 60 s)"
+        assert woken[0] - released < 20
+    finally:
+        w_may_release.set()
+        for thread in threads:
+            thread.join(70)
+
+
+def test_a_forced_release_after_the_fence_counter_expired_never_lowers_the_token(
+    redlock_urls: list[str],
+) -> None:
+    # A lease held longer than the fence retention (one day by default) outlives its counter
+    # (deleted here: what its expiry does). An operator's forced release then must not start
+    # a counter at 1: Redlock floors only a missing counter at the clock, so the next token
+    # would be 2, far below the revoked holder's, the very holder fencing exists to shut out.
+    made = LockManager(Settings(urls=redlock_urls))
+    try:
+        lease = made.acquire("long", ttl=60, renew=False)
+        for url in redlock_urls:  # what the retention's expiry does while the lease is held
+            client(url).delete("dlock:{long}:fence")
+        holder = made.holder("long")
+        assert holder is not None
+        assert made.force_release("long", holder)
+        after = made.acquire("long", ttl=5, renew=False)
+        try:
+            assert after.token > lease.token, (after.token, lease.token)
+        finally:
+            after.release()
+        lease.release()
+    finally:
+        made.close()
+
+
+def test_a_redlock_fence_write_back_keeps_the_acquisitions_own_retention(
+    redlock_urls: list[str],
+) -> None:
+    # A one-shot key (beat's tick keys) asks for a counter kept only as long as the key. On a
+    # fresh key the nodes' counters disagree (each starts at its own clock), and the ones
+    # below the token are written back: with that same retention, not the default day.
+    made = LockManager(Settings(urls=redlock_urls))
+    try:
+        made.acquire("tick", ttl=5, renew=False, fence_retention=5).release()
+        ttls = [client(u).pttl("dlock:{tick}:fence") for u in redlock_urls]
+    finally:
+        made.close()
+    assert all(ttl <= 5000 for ttl in ttls), f"fence counter ttls (ms): {ttls}"
+
+
+#: A waiter process that stops itself (SIGSTOP) after its refused attempt, just before it
+#: blocks on the signal list: a pause the test then ends with SIGCONT.
+_PAUSED_WAITER = """
+import os, signal, sys
+import celery_dlock.redis.redlock as redlock
+from celery_dlock.config import Settings
+real = redlock.blocking_pop
+def paused(node, key, seconds):
+    print("blocking", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real(node, key, seconds)
+redlock.blocking_pop = paused
+manager = redlock.LockManager(Settings(urls=sys.argv[1:]))
+manager.acquire("paused", ttl=3, wait=None, renew=False).release()
+print("got", flush=True)
+"""
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
+    nodes: int, single_urls: list[str], redlock_urls: list[str]
+) -> None:
+    # docs/guarantees.md: a waiter paused for more than a second between its refusal and its
+    # block can miss the release, and then gets the key when its block (the holder's time
+    # left, 3 s at most here) times out: late, never not at all, with wait=None too.
+    urls = single_urls if nodes == 1 else redlock_urls[:3]
+    made = LockManager(Settings(urls=urls))
+    holder = made.acquire("paused", ttl=3)  # renewed while the waiter is stopped
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PAUSED_WAITER, *urls], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "blocking"
+        plains = [client(u) for u in urls]
+        deadline = time.monotonic() + 15  # the marker lasts the 3 s ttl plus 1 s
+        while any(p.exists("dlock:{paused}:waiting") for p in plains):
+            assert time.monotonic() < deadline, "the waiter marker never expired"
+            time.sleep(0.05)
+        holder.release()  # wakes nobody: the marker is gone
+        released = time.monotonic()
+        os.kill(child.pid, signal.SIGCONT)
+        ready, _, _ = select.select([child.stdout], [], [], 3 + 10)
+        assert ready, "the paused waiter never got the key"
+        assert child.stdout.readline().strip() == "got"
+        assert time.monotonic() - released < 3 + 10
+        assert child.wait(10) == 0
+    finally:
+        holder.release()
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
         made.close()

@@ -459,7 +459,10 @@ class LockManager:
         errors = [(self.nodes[i].shown, self._failure(replies[i], i, keys)) for i in failures]
         if len(fences) >= self.quorum:
             token = max(fences.values())
-            if len(set(fences.values())) > 1 and not self._raise_fence(keys[1], token, fences):
+            retention = request.retention_ms or self._retention_ms
+            if len(set(fences.values())) > 1 and not self._raise_fence(
+                keys[1], token, fences, retention
+            ):
                 errors.append(("quorum", "could not record the fencing token on a majority"))
             else:
                 deadline = started + ttl - drift(ttl, self.settings.drift_factor)
@@ -533,8 +536,11 @@ class LockManager:
         if late:
             self._void(late, keys, head, time.monotonic() + ttl)
 
-    def _raise_fence(self, fence_key: str, token: int, fences: dict[int, int]) -> bool:
-        """Write the token back to the quorum's counters; True if a majority recorded it.
+    def _raise_fence(
+        self, fence_key: str, token: int, fences: dict[int, int], retention_ms: int
+    ) -> bool:
+        """Write the token back to the quorum's counters, kept ``retention_ms`` as the
+        acquisition asked; True if a majority recorded it.
 
         Only to the nodes whose counter is below it: the others issued it, so they hold it."""
         nodes = [self.nodes[i] for i, fence in fences.items() if fence < token]
@@ -542,7 +548,7 @@ class LockManager:
             nodes,
             "raise_fence",
             (fence_key,),
-            (token, self._retention_ms),
+            (token, retention_ms),
             self.settings.node_timeout,
         )
         done = sum(1 for r in replies if not isinstance(r, BaseException))

@@ -51,9 +51,11 @@ end
 #: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
 #: when the counter is missing (Redlock, where nodes' clocks differ and would force a
 #: write-back round on every acquisition).
-#: ARGV[6] (optional) "1" when the caller waits if refused: the refusal then (re)sets the marker
-#: for longer than the caller will block on the signal list (the holder's time left, or this
-#: attempt's ttl if longer, plus a second).
+#: ARGV[6] (optional) "1" when the caller waits if refused: the refusal then makes the marker
+#: last longer than the caller will block on the signal list (the holder's time left, or this
+#: attempt's ttl if longer, plus a second), never shorter than it was: an earlier waiter may
+#: still block longer (a caller with a shorter ttl, refused by a later holder, would otherwise
+#: cut its marker, and a release would then wake nobody while it blocks).
 #: The void marker is read only when the key is free: a refused attempt writes nothing anyway.
 #: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms, length}`` when held by
 #: another (the value's first MAX_VALUE bytes, and its length), ``{2}`` when the attempt was
@@ -82,7 +84,10 @@ if cur then
   if not mine then
     local left = redis.call('PTTL', KEYS[1])
     if ARGV[6] == '1' then
-      redis.call('SET', KEYS[4], '1', 'PX', math.max(left, tonumber(ARGV[2])) + 1000)
+      local want = math.max(left, tonumber(ARGV[2])) + 1000
+      if redis.call('PTTL', KEYS[4]) < want then
+        redis.call('SET', KEYS[4], '1', 'PX', want)
+      end
     end
     return {0, cur, left, size}
   end
@@ -304,7 +309,10 @@ return out
 #: held by that acquisition on this node (a marker is left anyway, for a node that missed it).
 #:
 #: The fencing counter moves on at once, so the revoked holder's token is stale before any
-#: new holder writes.
+#: new holder writes. A missing counter (expired while the lease was held longer than the
+#: retention, or lost) stays missing: the next acquisition floors it at the server clock.
+#: Starting it at 1 would make Redlock, which floors only a missing counter, issue token 2,
+#: below the revoked holder's.
 FORCE_RELEASE = """
 redis.call('SET', KEYS[4], '1', 'PX', ARGV[2])
 local cur = redis.call('GET', KEYS[1])
@@ -312,7 +320,7 @@ if not cur or not string.find(cur, '"token":"' .. ARGV[1] .. '"', 1, true) then
   return 0
 end
 redis.call('DEL', KEYS[1])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+local last = tonumber(redis.call('GET', KEYS[2]) or '')
 if last and last >= 0 and last < MAX_TOKEN then
   redis.call('SET', KEYS[2], string.format('%d', last + 1), 'PX', ARGV[3])
 end
