@@ -103,6 +103,12 @@ def green() -> bool:
     monkey: Any = sys.modules.get("gevent.monkey")
     if monkey is not None and monkey.is_module_patched("threading"):
         return True
+    return eventlet()
+
+
+def eventlet() -> bool:
+    """True if eventlet has made this process's threads greenlets: in a worker, the eventlet
+    pool, which (unlike gevent's) enforces no time limit."""
     patcher: Any = sys.modules.get("eventlet.patcher")
     return patcher is not None and bool(patcher.is_monkey_patched("thread"))
 

@@ -190,7 +190,8 @@ class SingletonTask(_TaskBase):
     #: ``(task, lease, error)`` run in the watchdog thread.
     on_lock_lost: Any = "raise"
     #: Longest total time one execution may hold the key, however often it is renewed; None =
-    #: the task's hard time limit when one is set, else no bound.
+    #: the task's hard time limit when one is set (not on the eventlet pool, which enforces
+    #: none: a body running past it keeps its key), else no bound.
     lock_max_hold: float | None = None
     #: Enqueue-time mode: how long a queued message's lock lives (seconds, plus any countdown),
     #: so that a lost message cannot block its key for ever.
@@ -742,7 +743,11 @@ class _Resolved:
         if self._task.lock_max_hold is not None:
             return float(self._task.lock_max_hold)
         limit = (request.timelimit or (None, None))[0] or self._task_limit
-        return float(limit) if limit else None
+        if not limit or interrupt.eventlet():
+            # The eventlet pool ignores time limits: the body runs on past the limit, and a
+            # lease capped there would let a duplicate run beside it.
+            return None
+        return float(limit)
 
 
 #: What Celery's Task itself has (read without getattr: some warn on access).

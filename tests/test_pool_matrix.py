@@ -286,6 +286,39 @@ def test_cpu_bound_body(pool: str, pa: Any, journal: Journal, workers: Workers) 
         assert isinstance(error, LockLost), error
 
 
+@pytest.mark.parametrize("pool", GREEN)
+def test_hard_time_limit(pool: str, pa: Any, journal: Journal, workers: Workers) -> None:
+    """A task's hard time limit is its lease's default ``lock_max_hold`` only where the pool
+    enforces it. gevent's stops the body at the limit and the key frees at once; eventlet's
+    pool has no time limits, so the body runs on past it, and it must keep its key meanwhile:
+    a duplicate sent once a lease capped at the limit would have lapsed is dropped, naming it."""
+    worker = workers.get(pool)
+    name = f"limit-{pool}"
+    limit, secs = 1.0, 1.0 + 4 * TTL
+    result = pa.held.apply_async((name, "sleep", secs), queue=worker.queue, time_limit=limit)
+    (start,) = journal.wait_for("start", id=result.id, timeout=30)
+    if pool == "gevent":
+        (end,) = journal.wait_for("end", id=result.id, timeout=30)
+        assert end["ended"] == "Timeout", end
+        assert end["t"] - start["t"] < secs, end
+        freed = wait_free(workers.mode, name, timeout=2 * TTL + 5)
+        assert freed - end["t"] < PROMPT, freed - end["t"]
+        state, error = outcome(pa, result.id)
+        assert state == states.FAILURE, error
+        assert "TimeLimitExceeded" in repr(error), error
+        return
+    # A lease capped at the limit lapses within lock_ttl after it; this one must not.
+    time.sleep(max(0.0, start["t"] + limit + 2 * TTL - time.monotonic()))
+    duplicate = pa.held.apply_async((name, "sleep", 0.1), queue=worker.queue)
+    state, value = outcome(pa, duplicate.id)
+    assert outcome(pa, result.id) == (states.SUCCESS, name)
+    spans = intervals(journal.entries(), name=name)
+    assert overlaps(spans) == [], spans
+    assert state == states.SUCCESS, value
+    assert value["dlock_dropped"] is True, value
+    assert value["holder"] == result.id, value
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_connections_bounded(
     pool: str, pa: Any, journal: Journal, workers: Workers, lock_server: RedisServer

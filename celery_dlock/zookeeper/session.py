@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,32 @@ UNREACHABLE: tuple[type[BaseException], ...] = (*KAZOO_ERRORS, LockUnavailable)
 BLATHER = 5
 
 _serial = itertools.count()
+
+
+def _handler() -> Any:
+    """kazoo's eventlet handler under eventlet's monkey patching (an eventlet worker), else
+    None (its threading handler, which gevent's patching makes green as it is).
+
+    kazoo's threading handler waits on its socket with ``selectors``, which eventlet's patching
+    does not make work: its connection timed out again and again (a ``-P eventlet -c 50``
+    worker's locked tasks hung, then failed with ConnectionLoss). Its timeouts raise
+    ``KazooTimeoutError`` here as with the threading handler, which the callers catch.
+    """
+    patcher: Any = sys.modules.get("eventlet.patcher")
+    if patcher is None or not patcher.is_monkey_patched("thread"):
+        return None
+    from eventlet.green import threading as green_threading  # type: ignore[import-untyped]
+    from kazoo.handlers import utils
+    from kazoo.handlers.eventlet import SequentialEventletHandler
+
+    class Handler(SequentialEventletHandler):  # type: ignore[misc]
+        timeout_exception = KazooTimeoutError
+
+        def async_result(self) -> Any:
+            return utils.AsyncResult(self, green_threading.Condition, KazooTimeoutError)
+
+    return Handler()
+
 
 #: kazoo's own share of the negotiated session timeout after which it gives up on a server
 #: (``read_timeout`` in kazoo/protocol/connection.py).
@@ -147,6 +174,7 @@ class SharedClient:
         self._kazoo_log = kazoo_log
         kazoo_log.propagate = False
         kazoo_log.addHandler(_Forward(logging.getLogger("celery_dlock.zookeeper.kazoo")))
+        handler = _handler()
         self.client = KazooClient(
             hosts=url.connect_string,
             timeout=url.timeout,
@@ -155,9 +183,14 @@ class SharedClient:
             ),
             # Reconnect without end, quickly: a lease's validity is counting down meanwhile.
             connection_retry=KazooRetry(
-                max_tries=-1, delay=0.05, backoff=1.5, max_delay=max(0.1, url.timeout / 8)
+                max_tries=-1,
+                delay=0.05,
+                backoff=1.5,
+                max_delay=max(0.1, url.timeout / 8),
+                **({"sleep_func": handler.sleep_func} if handler is not None else {}),
             ),
             logger=kazoo_log,
+            **({"handler": handler} if handler is not None else {}),
             **url.kazoo_args(),  # TLS, for zookeepers://
         )
         self.client.add_listener(self._on_state)
