@@ -85,6 +85,12 @@ def test_scripts_touch_only_the_keys_they_are_given() -> None:
     calls = re.compile(r"redis\.call\('(\w+)'(?:, ([^,)]+))?")
     for name, source in scripts.ALL.items():
         aliases = set(re.findall(r"local (\w+) = KEYS\[", source))
+        # A local function's parameter is a key when every call passes one (scripts.BOUNDED).
+        for function, parameter in re.findall(r"local function (\w+)\((\w+)\)", source):
+            passed = re.findall(rf"\b{function}\(([^)]*)\)", source)[1:]  # [0]: definition
+            assert passed, (name, function)
+            assert all(arg.startswith("KEYS[") for arg in passed), (name, function, passed)
+            aliases.add(parameter)
         found = calls.findall(source)
         assert found, name
         for command, first in found:

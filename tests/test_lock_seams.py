@@ -275,10 +275,11 @@ def test_the_holders_token_is_shown_when_the_node_that_proposed_it_is_down(
 
 
 class _LatePoll:
-    """``select.poll`` for :mod:`celery_dlock.redis.transport`, except that a poller built to
-    read replies (in ``_exchange``, after the command went out and its deadline was set)
-    stalls in ``register`` until the reply is there, then past the deadline: the calling
-    thread descheduled by a busy host, or waiting for the GIL, when the answers come in."""
+    """``select.poll`` for :mod:`celery_dlock.redis.transport` (its ``poller``), except that
+    a poller built to read replies (in ``_exchange``, after the command went out and its
+    deadline was set) stalls in ``register`` until the reply is there, then past the deadline:
+    the calling thread descheduled by a busy host, or waiting for the GIL, when the answers
+    come in."""
 
     overshoot = 0.1  # seconds past the reply: twice the node timeout of the test below
 
@@ -308,15 +309,12 @@ def test_replies_there_by_the_time_the_caller_looks_count_though_it_looks_late(
     """Under load, 60 publishers in one process often looked only after their deadline, and
     declared the nodes whose replies were waiting silent: the attempt failed (a duplicate was
     published without its queued lock), its writes voided, the nodes cooled down for all."""
-    import select
-    from types import SimpleNamespace
 
     from celery_dlock.redis import transport
 
     manager = manager_for(app_for(redlock_urls, dlock_node_timeout=0.05))
     manager.acquire("warm", ttl=5, renew=False).release()  # connections open, scripts known
-    late = SimpleNamespace(poll=_LatePoll, POLLIN=select.POLLIN)
-    monkeypatch.setattr(transport, "select", late)
+    monkeypatch.setattr(transport, "poller", _LatePoll)
     lease = manager.acquire("late", ttl=30, renew=False)
     assert all(not node.down for node in manager.nodes)
     monkeypatch.undo()
