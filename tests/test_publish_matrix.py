@@ -14,8 +14,10 @@ each lock store where the row applies, and checks from the journal the same four
 
 docs/singleton.md carries the matrix as a table (section "Publish shapes");
 :func:`test_the_table_and_the_matrix_agree` keeps the two the same. One prefork worker per lock
-store serves the whole module; the broker is the ``broker_url`` fixture's (one Redis database
-today), so that another broker is one more parameter there.
+store serves the whole module. The broker is the ``broker_url`` parameter: a Redis database for
+every row, and this session's RabbitMQ for the enqueue-time rows on a single Redis
+(:data:`BROKERS`, :func:`KEEP`), whose every publish, purge, expiry and revoke goes through
+the broker.
 """
 
 from __future__ import annotations
@@ -390,6 +392,19 @@ ROWS = [
     Row("opt-out-subclass", opted_out, lock_on=COMPAT, runs={"singleton": (1, 3), "once": (1, 3)}),
 ]
 
+#: The brokers: Redis for every case; RabbitMQ (AMQP headers, its own purge and expiry) for
+#: the enqueue-time rows on a single Redis lock store, the path that publishes and reads
+#: this library's message headers (execution-time mode takes nothing at publish, and the
+#: other stores answer the same publish the same way).
+BROKERS = ("redis", "rabbitmq")
+
+
+def KEEP(params: dict[str, Any]) -> bool:  # a module hook, read by tests/conftest.py
+    if params.get("broker_url", "redis") != "rabbitmq":
+        return True
+    return params.get("mode") == "single" and params.get("lock_on") == "enqueue"
+
+
 CASES = [
     pytest.param(row, kind, id=f"{row.id}-{kind}")
     for row in ROWS
@@ -402,8 +417,13 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def broker_url(celery_base: str) -> str:
-    """The broker of this module's workers and publishers (a parameter for other brokers)."""
+def broker_url(request: pytest.FixtureRequest, celery_base: str) -> str:
+    """The broker of this module's workers and publishers: a Redis database, or this
+    session's RabbitMQ (the ``rabbitmq_url`` fixture, which skips with one line where there
+    is none)."""
+    if getattr(request, "param", "redis") == "rabbitmq":
+        url: str = request.getfixturevalue("rabbitmq_url")
+        return url
     return with_db(celery_base, 10)
 
 
@@ -473,6 +493,7 @@ def wait_free(run: Run, timeout: float) -> float:
     return time.monotonic()
 
 
+@pytest.mark.parametrize("broker_url", BROKERS, indirect=True)
 @pytest.mark.parametrize(("row", "lock_on"), CASES)
 def test_publish_shape(
     row: Row,
@@ -481,6 +502,7 @@ def test_publish_shape(
     wa: Any,
     journal: Journal,
     matrix_worker: Worker,
+    broker_url: str,
 ) -> None:
     if mode.name not in row.modes or mode.name not in KIND_MODES[lock_on]:
         pytest.skip(f"{row.id} of {lock_on} is not run on {mode.name}")
