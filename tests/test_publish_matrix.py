@@ -375,8 +375,7 @@ ROWS = [
     Row(
         "retry-caught-by-the-body",
         body_retries_and_goes_on,
-        lock_on=("enqueue",),
-        runs={"enqueue": 2},
+        runs={"execute": 2, "enqueue": 2},
     ),
     Row("replace", body_replaces, runs={"execute": 2, "enqueue": 2}),
     Row("link-error-of-duplicate", link_error_of_duplicate, lock_on=ALL_KINDS, secs=2.0),
