@@ -53,6 +53,7 @@ from typing import Any, NamedTuple, Protocol
 from celery import states
 from celery.backends.base import DisabledBackend
 from celery.utils import uuid
+from celery.utils.time import maybe_iso8601
 
 from celery_dlock.backend import Backend, PendingLease
 from celery_dlock.beat import mark_send
@@ -357,9 +358,14 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
 
 
 def _parse_eta(eta: Any) -> Any:
+    """An eta or expires as the worker reads it: a string with Celery's own ISO 8601 parser
+    (dateutil's on Celery 5.7, which takes spellings ``datetime.fromisoformat`` refuses,
+    such as a lowercase ``z``, or on Python 3.10 ``Z`` and ``+0900``); None if unreadable."""
+    if not isinstance(eta, str):
+        return eta
     try:
-        return datetime.fromisoformat(eta) if isinstance(eta, str) else eta
-    except ValueError:
+        return maybe_iso8601(eta)
+    except (AttributeError, ValueError, TypeError, OverflowError):
         return None
 
 

@@ -14,13 +14,13 @@
         store(rows, fence=self.lease.token)
 
 The lease is taken in the worker right before the body runs (``lock_on="execute"``, the
-default) and released on every way out: return, exception, ``self.retry()`` (right before
-Celery publishes the retry; not when retries are exhausted), ``Ignore`` and ``Reject``, warm
-shutdown, and ``revoke(terminate=True)`` (the body as it exits, or the parent worker process
-once the killed pool process is gone; a body the signal did not stop keeps its key). A worker
-killed outright leaves a lease that expires after ``lock_ttl``. While the body runs, the
-renewal watchdog keeps the lease alive; if it is lost the body is stopped with
-:class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
+default) and released on every way out: return, exception, ``self.retry()`` (as the
+body ends, after Celery published the retry; not when retries are exhausted), ``Ignore``
+and ``Reject``, warm shutdown, and ``revoke(terminate=True)`` (the body as it exits, or the
+parent worker process once the killed pool process is gone; a body the signal did not stop
+keeps its key). A worker killed outright leaves a lease that expires after ``lock_ttl``.
+While the body runs, the renewal watchdog keeps the lease alive; if it is lost the body is
+stopped with :class:`~celery_dlock.LockLost` (see ``on_lock_lost``).
 
 With ``lock_on="enqueue"`` the key is taken when the task is published, as celery-singleton
 does: a duplicate ``.delay()`` returns the ``AsyncResult`` of the task already queued or running
@@ -413,11 +413,12 @@ class SingletonTask(_TaskBase):
         max_retries: int | None = None,
         **options: Any,
     ) -> Any:
-        """Keep the key until Celery really publishes the retry (execution-time mode).
+        """Keep the key until the body has really ended (execution-time mode).
 
-        Celery publishes the retry before raising ``Retry``, and the retried run may start on
-        another process before this one unwinds, so the key is released right before that
-        publish (in :meth:`apply_async`); the retried run takes it again. When Celery publishes
+        Celery publishes the retry before raising ``Retry``, and the body may catch that and go
+        on, so the key is released as the body ends, not at that publish; a retried run that
+        starts before then finds its own task id's run holding the key and is requeued (with
+        backoff) until it frees, never run beside it. When Celery publishes
         nothing (retries exhausted: it raises ``MaxRetriesExceededError`` or ``exc`` into the
         body, whose fallback then still runs under the lock) the key stays held. In
         enqueue-time mode the key passes to the retry message as the body ends (a body that
@@ -425,9 +426,6 @@ class SingletonTask(_TaskBase):
         ``throw=False`` keeps the key in both modes: the body goes on, and the retry waits for it.
         """
         lease = self.lease
-        retrying = lease is not None and throw and self.lock_on == "execute"
-        if retrying:
-            enqueue.retrying.lease = lease
         # throw=False in enqueue-time mode: the body goes on, so the key must not pass to the
         # retry message (its run would take it over while this body still runs); the retry
         # is published without a queued lock and waits for the key like any retry.
@@ -449,8 +447,6 @@ class SingletonTask(_TaskBase):
                 **options,
             )
         finally:
-            if retrying:
-                enqueue.retrying.lease = None
             if keeping:
                 enqueue.retrying.keep = None
             if handing:
@@ -656,11 +652,6 @@ class SingletonTask(_TaskBase):
                 f"task {self.name!r}: apply_async()",
             )
         if self.lock_on != "enqueue" or self.app.conf.task_always_eager:
-            retrying: Lease | None = getattr(enqueue.retrying, "lease", None)
-            if retrying is not None and retrying.holder == task_id:
-                # Celery's retry() publishing it: now, and only now, the key goes.
-                enqueue.retrying.lease = None
-                retrying._release_for("given up for the retry Celery published")
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )

@@ -247,6 +247,19 @@ def expires_passed(run: Run) -> list[Any]:
     return [duplicate(run)]
 
 
+def expires_passed_iso_string(run: Run) -> list[Any]:
+    # As expires-passed, with ``expires`` an ISO 8601 string in a spelling Celery reads
+    # (dateutil's isoparse, publisher and worker) but datetime.fromisoformat does not: a
+    # lowercase "z" (RFC 3339); on Python 3.10 also "Z" and "+0900".
+    published = time.time()
+    at = datetime.now(timezone.utc) + timedelta(seconds=1.0)
+    run.kept["expired"] = duplicate(
+        run, countdown=2.0, expires=at.strftime("%Y-%m-%dT%H:%M:%S.%fz")
+    )
+    until(published + 1.3)
+    return [duplicate(run)]
+
+
 def expired_discarded(run: Run) -> None:
     expired = run.kept["expired"]
     run.journal.wait_for("revoked", id=expired.id, timeout=SLACK)
@@ -366,6 +379,7 @@ ROWS = [
     Row("expires-seconds", expires_seconds),
     Row("expires-datetime", expires_datetime),
     Row("expires-passed", expires_passed, after=expired_discarded),
+    Row("expires-passed-iso-string", expires_passed_iso_string, after=expired_discarded),
     Row("priority", priority),
     Row("duplicate-while-running", merged_duplicate, secs=2.0),
     Row("send-task-by-name", send_task_by_name, secs=2.0),
@@ -377,8 +391,7 @@ ROWS = [
     Row(
         "retry-caught-by-the-body",
         body_retries_and_goes_on,
-        lock_on=("enqueue",),
-        runs={"enqueue": 2},
+        runs={"execute": 2, "enqueue": 2},
     ),
     Row("replace", body_replaces, runs={"execute": 2, "enqueue": 2}),
     Row("link-error-of-duplicate", link_error_of_duplicate, lock_on=ALL_KINDS, secs=2.0),
