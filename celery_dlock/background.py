@@ -7,10 +7,13 @@ neither.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from celery_dlock import forks
+
+T = TypeVar("T")
 
 
 class ProcessPool:
@@ -31,6 +34,23 @@ class ProcessPool:
                 self._pid = forks.pid()
             return self._pool
 
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``fn(*args)`` on the pool; in the caller's thread once the pool refuses new work.
+
+        Python's thread pools refuse work from the moment the interpreter starts to exit
+        (before it waits for the program's own threads), but a thread of the program may still
+        hold a lock then, and its lease must go on being renewed: the work runs here instead.
+        """
+        try:
+            return self.get().submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            done: Future[T] = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:  # the caller reads it from the future, as from a pool
+                done.set_exception(exc)
+            return done
+
 
 #: Runs one-shot cleanup (releasing what a lost lease may still hold) off the caller's thread.
 _background = ProcessPool("dlock-background", 4)
@@ -38,4 +58,4 @@ _background = ProcessPool("dlock-background", 4)
 
 def background(fn: Any, *args: Any) -> None:
     """Run ``fn(*args)`` on a small background thread pool, not waiting for it."""
-    _background.get().submit(fn, *args)
+    _background.submit(fn, *args)

@@ -58,13 +58,12 @@ def connect_all(
             exc.dlock_unsent = True  # type: ignore[union-attr]
             replies[i] = exc
         return
-    pool = _connector.get()
     begun = time.monotonic()
     futures: dict[int, Future[None]] = {}
     refusal: ConfigError | None = None
     try:
         for i in todo:
-            futures[i] = pool.submit(connect, nodes[i], conns[i])
+            futures[i] = _connector.submit(connect, nodes[i], conns[i])
         for i, future in futures.items():
             try:
                 failure = future.exception(timeout=max(timeout - (time.monotonic() - begun), 0.0))
