@@ -113,6 +113,11 @@ def wa(mode: Mode) -> Any:
             worker_app.app._pool.force_close_all()
         worker_app.app._pool = None
         worker_app.app.amqp._producer_pool = None
+        # kombu keeps producer pools per connection in a registry of its own, whose pools may
+        # hold the connections just closed: start that afresh too (a pass back to Redis).
+        import kombu.pools
+
+        kombu.pools.reset()
     worker_app.app.conf.broker_url = mode.env["DLOCK_TEST_BROKER"]
     worker_app.app.conf.result_backend = mode.env["DLOCK_TEST_BACKEND"]
     use_lock_urls(worker_app.app, mode.lock_urls)
