@@ -620,8 +620,9 @@ class SingletonTask(_TaskBase):
     ) -> Any:
         """In enqueue-time mode, take the key before publishing, or return the holder's result.
 
-        In execution-time mode, a retry of the running execution releases its key right before
-        it is published (see :meth:`retry`).
+        In execution-time mode nothing is taken here: the worker takes the key when the body
+        runs, and a retry's execution waits for the body that published it to end (see
+        :meth:`retry`).
         """
         if self._apply_async_is_celerys:
             # Marked, so that our before_task_publish receiver leaves it unlocked too; the
