@@ -101,24 +101,33 @@ def mode(request: pytest.FixtureRequest, celery_base: str) -> Mode:
     return make_mode("redlock5", celery_base, request.getfixturevalue("redlock_session_urls"))
 
 
+def point_at_broker(app: Any, url: str) -> None:
+    """Point ``app`` (a test process's copy of an app that several modules share) at the
+    broker ``url``, dropping every connection to the one it used before.
+
+    Always, not only when ``broker_url`` differs: a module may have set the setting without
+    touching the pools (so the setting matches while the pools still hold another broker's
+    connections, e.g. RabbitMQ's after a RabbitMQ pass: its publishes then go there).
+    """
+    import kombu.pools
+
+    if app._pool is not None:
+        app._pool.force_close_all()
+    app._pool = None
+    app.amqp._producer_pool = None
+    # kombu keeps producer pools per connection in a registry of its own, whose pools may
+    # hold the connections just closed: start that afresh too.
+    kombu.pools.reset()
+    app.conf.broker_url = url
+
+
 @pytest.fixture(scope="module")
 def wa(mode: Mode) -> Any:
     """The test process's copy of ``tests.worker_app``, pointed at this mode's servers."""
     os.environ.update(mode.env)
     from tests import worker_app
 
-    if worker_app.app.conf.broker_url != mode.env["DLOCK_TEST_BROKER"]:
-        # Another broker (a RabbitMQ pass): no connection of the previous one may be reused.
-        if worker_app.app._pool is not None:
-            worker_app.app._pool.force_close_all()
-        worker_app.app._pool = None
-        worker_app.app.amqp._producer_pool = None
-        # kombu keeps producer pools per connection in a registry of its own, whose pools may
-        # hold the connections just closed: start that afresh too (a pass back to Redis).
-        import kombu.pools
-
-        kombu.pools.reset()
-    worker_app.app.conf.broker_url = mode.env["DLOCK_TEST_BROKER"]
+    point_at_broker(worker_app.app, mode.env["DLOCK_TEST_BROKER"])
     worker_app.app.conf.result_backend = mode.env["DLOCK_TEST_BACKEND"]
     use_lock_urls(worker_app.app, mode.lock_urls)
     return worker_app

@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.celery_fixtures import Mode, make_mode, with_db
+from tests.celery_fixtures import Mode, make_mode, point_at_broker, with_db
 from tests.clients import client
 from tests.workers import Journal, Worker
 
@@ -31,7 +31,7 @@ def ca(compat_mode: Mode) -> ModuleType:
     os.environ.update(compat_mode.env)
     from tests import compat_app
 
-    compat_app.app.conf.broker_url = compat_mode.env["DLOCK_TEST_BROKER"]
+    point_at_broker(compat_app.app, compat_mode.env["DLOCK_TEST_BROKER"])
     compat_app.app.conf.result_backend = compat_mode.env["DLOCK_TEST_BACKEND"]
     return compat_app
 

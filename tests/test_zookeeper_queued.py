@@ -27,7 +27,7 @@ from celery_dlock.errors import LockContended
 from celery_dlock.lease import Lease
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from celery_dlock.zookeeper.nodes import parse_name
-from tests.celery_fixtures import make_mode, submit_concurrently
+from tests.celery_fixtures import make_mode, point_at_broker, submit_concurrently
 from tests.workers import Journal, Worker, use_lock_urls
 from tests.zookeeper import ZkServer, ensemble, skip_reason, standalone, until
 
@@ -413,9 +413,8 @@ def zk_celery(zk: ZkServer, celery_base: str) -> Iterator[tuple[Any, Journal, st
     env = {**make_mode("zk", celery_base).env, "DLOCK_TEST_LOCK_URL": zk_url}
     from tests import worker_app
 
-    worker_app.app.conf.update(
-        broker_url=env["DLOCK_TEST_BROKER"], result_backend=env["DLOCK_TEST_BACKEND"]
-    )
+    point_at_broker(worker_app.app, env["DLOCK_TEST_BROKER"])
+    worker_app.app.conf.result_backend = env["DLOCK_TEST_BACKEND"]
     use_lock_urls(worker_app.app, [zk_url])
     journal = Journal(env["DLOCK_TEST_JOURNAL"])
     journal.clear()
