@@ -109,6 +109,7 @@ def point_at_broker(app: Any, url: str) -> None:
     touching the pools (so the setting matches while the pools still hold another broker's
     connections, e.g. RabbitMQ's after a RabbitMQ pass: its publishes then go there).
     """
+    import celery._state
     import kombu.pools
 
     if app._pool is not None:
@@ -116,8 +117,12 @@ def point_at_broker(app: Any, url: str) -> None:
     app._pool = None
     app.amqp._producer_pool = None
     # kombu keeps producer pools per connection in a registry of its own, whose pools may
-    # hold the connections just closed: start that afresh too.
+    # hold the connections just closed: start that afresh too. That closes the pools every
+    # other app in this process took from the registry (another module's shared app), so
+    # each of them takes a new one on its next publish.
     kombu.pools.reset()
+    for other in celery._state._get_active_apps():
+        other.amqp._producer_pool = None
     app.conf.broker_url = url
 
 

@@ -448,15 +448,25 @@ def test_enqueue_mode_retry_on_zookeeper_hands_the_key_to_the_retry(
 ) -> None:
     wa, journal, _ = zk_celery
     manager = wa.enqueued_flaky._dlock().manager
-    result = wa.enqueued_flaky.delay("zk-kept", 2.0)
+    # The countdown bounds how long the test can look at the hand-over, so it is long enough
+    # for a loaded host to get from the body's end (journalled before retry() publishes) to
+    # the hand-over.
+    countdown = 8.0
+    result = wa.enqueued_flaky.delay("zk-kept", countdown)
     journal.wait_for("end", name="zk-kept")
+    key = wa.enqueued_flaky.lock_key_for(("zk-kept", countdown), {})
+
+    def handed_over() -> bool:
+        holder = manager.holder(key)
+        return holder is not None and holder.queued
+
+    until(handed_over, countdown, "the key handed to the retry message")
     # During the countdown the key belongs to the retry message: duplicates map to it.
-    assert wa.enqueued_flaky.delay("zk-kept", 2.0).id == result.id
-    key = wa.enqueued_flaky.lock_key_for(("zk-kept", 2.0), {})
+    assert wa.enqueued_flaky.delay("zk-kept", countdown).id == result.id
     holder = manager.holder(key)
     assert holder is not None
     assert (holder.task_id, holder.queued) == (result.id, True)
-    assert result.get(timeout=20) == 1
+    assert result.get(timeout=countdown + 20) == 1
     assert [s["retries"] for s in journal.select("start", name="zk-kept")] == [0, 1]
     until(lambda: manager.holder(key) is None, 10, "the key free after the retry ran")
 
