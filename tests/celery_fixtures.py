@@ -116,12 +116,15 @@ def point_at_broker(app: Any, url: str) -> None:
         app._pool.force_close_all()
     app._pool = None
     app.amqp._producer_pool = None
-    # kombu keeps producer pools per connection in a registry of its own, whose pools may
-    # hold the connections just closed: start that afresh too. That closes the pools every
-    # other app in this process took from the registry (another module's shared app), so
-    # each of them takes a new one on its next publish.
+    # Celery takes an app's connection and producer pools from kombu's registry (one pool per
+    # broker URL, shared by every app of the process on that URL), whose pools may hold the
+    # connections just closed: start the registry afresh too. That closes the pools every
+    # other app in this process took from it (another module's shared app, such as the
+    # session-scoped compat app), so each of them takes new ones on its next publish or
+    # control command.
     kombu.pools.reset()
     for other in celery._state._get_active_apps():
+        other._pool = None
         other.amqp._producer_pool = None
     app.conf.broker_url = url
 
