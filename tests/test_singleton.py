@@ -93,7 +93,8 @@ def test_different_keys_run_in_parallel(wa: Any, worker: Worker, journal: Journa
     a = wa.collect.delay("a", "x", secs=1.0)
     b = wa.collect.delay("a", "y", secs=1.0)
     assert {a.get(timeout=10), b.get(timeout=10)} == {"a:x", "a:y"}
-    spans = intervals(journal.entries())
+    # Only these two: a straggler of an earlier test (a requeued duplicate) may run meanwhile.
+    spans = [s for s in intervals(journal.entries()) if s[2] in {a.id, b.id}]
     assert len(spans) == 2
     assert overlaps(spans), f"collect('a','x') and collect('a','y') did not overlap: {spans}"
 
