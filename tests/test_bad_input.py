@@ -14,7 +14,7 @@ from celery import Celery
 
 from celery_dlock import ConfigError, DLockConfigWarning, lock
 from celery_dlock.config import Settings, redact
-from tests.clients import client
+from tests.support.clients import client
 
 GOOD = ["redis://127.0.0.1:1/0"]
 
@@ -277,7 +277,7 @@ def runtime_error(urls: list[str], key: str = "report") -> str:
 def test_runtime_bad_input_table() -> None:
     from celery_dlock.redis.diagnose import acl_rules
     from celery_dlock.testing import RedisServer, free_port
-    from tests.tls import TlsProxy, make_certificates, tls_url
+    from tests.support.tls import TlsProxy, make_certificates, tls_url
 
     down = f"redis://127.0.0.1:{free_port()}/0"
     certs = make_certificates()

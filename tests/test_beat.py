@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.celery_fixtures import Mode
-from tests.workers import Beat, Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode
+from tests.support.workers import Beat, Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 #: The lock stores this module's worker and beats run on (tests/conftest.py).

@@ -26,7 +26,7 @@ from celery_dlock.beat import (
 )
 from celery_dlock.headers import HEADER_DUPLICATE_OF
 from celery_dlock.testing import free_port
-from tests.clients import client
+from tests.support.clients import client
 
 
 def at(text: str) -> float:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.celery_fixtures import Mode, make_mode, node_timeout
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, make_mode, node_timeout
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 

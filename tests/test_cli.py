@@ -21,7 +21,7 @@ import pytest
 from celery_dlock import LockLost
 from celery_dlock.redis.redlock import LockManager
 from celery_dlock.testing import RedisServer, free_port
-from tests import cli_app
+from tests.support import cli_app
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The ``urls`` fixture's stores this module runs on (tests/conftest.py).
@@ -34,7 +34,7 @@ def on_zookeeper(urls: list[str]) -> bool:
 
 def dlock(urls: list[str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DLOCK_TEST_LOCK_URLS": ",".join(urls), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dlock", *args]
+    command = [sys.executable, "-m", "celery", "-A", "tests.support.cli_app", "dlock", *args]
     return subprocess.run(
         command, env=env, cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=60,
         check=False,

@@ -27,10 +27,10 @@ from celery_dlock.redis.inspection import revoked_key
 from celery_dlock.redis.redlock import LockManager
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import free_port
-from tests.celery_fixtures import Mode, with_db
-from tests.cluster import Cluster, redis_cluster
+from tests.support.celery_fixtures import Mode, with_db
+from tests.support.cluster import Cluster, redis_cluster
+from tests.support.workers import Beat, Journal, Worker
 from tests.test_cli import dlock
-from tests.workers import Beat, Journal, Worker
 
 pytestmark = pytest.mark.local_redis
 

@@ -4,8 +4,8 @@ The same scenarios measured against celery-singleton 0.3.1 and celery-once 3.0.1
 storm, S2 positional vs keyword, S3 revoke, S4 worker crash, S5 retry, S6 a run longer than the
 lock lifetime, S7 key deleted under a running task, S8 ``send_task``), here with
 ``celery_dlock.compat.Singleton`` and ``QueueOnce`` tasks (``work`` and ``flaky`` as in the
-measurements, tests/compat_app.py) in a real prefork worker. Each test asserts our behaviour;
-the comment above it says what the peers did. docs/migrating.md has the table.
+measurements, tests/support/compat_app.py) in a real prefork worker. Each test asserts our
+behaviour; the comment above it says what the peers did. docs/migrating.md has the table.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from celery.utils import uuid
 
 from celery_dlock import LockLost
 from celery_dlock.compat import AlreadyQueued
-from tests.celery_fixtures import Mode
-from tests.clients import client
-from tests.workers import Journal, Worker
+from tests.support.celery_fixtures import Mode
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def test_s3_revoke_frees_the_key(
 
 # S4: both peers keep the dead task's key (singleton: no expiry, calls get a task PENDING for
 # ever; once: for the rest of the hour); no execution in 15 s. Here: the key expires dlock_ttl
-# (3 s in tests/compat_app.py) after the last renewal, and the next call runs.
+# (3 s in tests/support/compat_app.py) after the last renewal, and the next call runs.
 def test_s4_worker_crash_frees_the_key_after_the_ttl(
     ca: ModuleType, compat_mode: Mode, compat_worker: Worker, compat_journal: Journal
 ) -> None:
@@ -121,7 +121,7 @@ def test_s4_worker_crash_frees_the_key_after_the_ttl(
         name="compat-victim",
         queue="compat-victim",
         concurrency=2,
-        app="tests.compat_app",
+        app="tests.support.compat_app",
     ).start()
     try:
         for kind in ("singleton", "once"):

@@ -23,8 +23,8 @@ from celery import Celery
 
 from celery_dlock import ConfigError
 from celery_dlock.compat import AlreadyQueued, DuplicateTaskError, QueueOnce, Singleton
-from tests.clients import client
-from tests.workers import Journal, Worker
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker
 
 
 @pytest.mark.slow

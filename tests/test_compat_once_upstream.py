@@ -6,7 +6,7 @@ Upstream: https://github.com/cameronmaske/celery-once at commit
 ``tests/integration/test_tasks.py``, ``tests/integration/backends/test_redis.py`` and
 ``tests/integration/flask_app/test_flask.py``. Each test keeps its upstream name and intent.
 Upstream runs tasks eagerly against fakeredis or a mocked backend; here the tasks run in a real
-``celery worker`` (tests/compat_app.py) and every lock is on a real redis-server.
+``celery worker`` (tests/support/compat_app.py) and every lock is on a real redis-server.
 
 Not translated: ``tests/unit/backends/test_file.py`` (8) and
 ``tests/integration/backends/test_file.py`` (2) test celery-once's File backend, which
@@ -31,7 +31,7 @@ from celery_dlock import ConfigError, admin
 from celery_dlock.compat import AlreadyQueued, QueueOnce
 from celery_dlock.compat.once import lock_url
 from celery_dlock.config import check_urls
-from tests.workers import Journal, Worker
+from tests.support.workers import Journal, Worker
 
 IDLE = "compat-idle"  # a queue no worker consumes: its messages stay queued, holding their keys
 KEY_FORMAT = "the key's format: <task>:<canonical JSON>, not qo_<task>_<name>-<str(value)>"

@@ -1,6 +1,6 @@
 """A project written for celery-singleton and one written for celery-once (their READMEs'
-examples and settings, tests/peer_projects/) run with only the import changed, each by its own
-real ``celery worker``; the calling code below is the READMEs' own, in order.
+examples and settings, tests/support/peer_projects/) run with only the import changed, each by
+its own real ``celery worker``; the calling code below is the READMEs' own, in order.
 
 Where the README promises what celery_dlock deliberately does otherwise (celery-singleton's
 ``lock_expiry`` letting a second run start while the first still runs), the test asserts ours
@@ -23,9 +23,9 @@ from celery import states
 
 from celery_dlock import admin
 from celery_dlock.compat import AlreadyQueued, DuplicateTaskError
-from tests.celery_fixtures import Mode, with_db
-from tests.clients import client
-from tests.workers import Journal, Worker
+from tests.support.celery_fixtures import Mode, with_db
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ class ProjectWorker(Worker):
 
 @contextlib.contextmanager
 def project(name: str, compat_mode: Mode, scale: float, db: int) -> Iterator[ModuleType]:
-    """Import ``tests.peer_projects.<name>`` here and start a worker of it."""
+    """Import ``tests.support.peer_projects.<name>`` here and start a worker of it."""
     base = compat_mode.env["DLOCK_TEST_BROKER"]
     env = {
         "PEER_BROKER": with_db(base, db),
@@ -70,9 +70,9 @@ def project(name: str, compat_mode: Mode, scale: float, db: int) -> Iterator[Mod
         if url.startswith("redis://"):
             client(url).flushdb()
     os.environ.update(env)
-    module = importlib.import_module(f"tests.peer_projects.{name}")
+    module = importlib.import_module(f"tests.support.peer_projects.{name}")
     journal = Journal(compat_mode.env["DLOCK_TEST_JOURNAL"])  # unused by the project
-    worker = ProjectWorker(env, journal, name=name, app=f"tests.peer_projects.{name}")
+    worker = ProjectWorker(env, journal, name=name, app=f"tests.support.peer_projects.{name}")
     worker.start()
     try:
         yield module

@@ -5,9 +5,10 @@ Upstream: https://github.com/steinitzu/celery-singleton at commit
 ``tests/test_singleton.py``, ``tests/test_config.py`` and ``tests/test_backends.py``. Each test
 keeps its upstream name (class and function) and intent. Upstream mocks Redis calls
 (``RedisBackend.lock``, ``util.generate_lock``, ``BaseTask.apply_async``); here every test
-runs against a real redis-server, tasks run in a real ``celery worker`` (tests/compat_app.py),
-and a failing publish is a real broker that refuses connections. Where upstream inspects its
-backend's Redis keys, these tests read the lock's holder instead (our keys differ).
+runs against a real redis-server, tasks run in a real ``celery worker``
+(tests/support/compat_app.py), and a failing publish is a real broker that refuses connections.
+Where upstream inspects its backend's Redis keys, these tests read the lock's holder instead (our
+keys differ).
 
 Tests marked ``deliberate_difference`` assert our behaviour where it differs on purpose from
 the upstream expectation; the reason is in the marker and in docs/migrating.md.
@@ -30,7 +31,7 @@ from celery_dlock import ConfigError, admin
 from celery_dlock.compat import DuplicateTaskError, Singleton, clear_locks
 from celery_dlock.compat.singleton import SingletonConfig
 from celery_dlock.testing import free_port
-from tests.workers import Journal, Worker
+from tests.support.workers import Journal, Worker
 
 IDLE = "compat-idle"  # a queue no worker consumes: its messages stay queued, holding their keys
 

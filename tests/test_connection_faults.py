@@ -8,7 +8,7 @@ cell is left on any node (the janitor's voids and owed releases land). The outco
 must give is read from the table in docs/reliability.md, and a test checks that the table
 has exactly this suite's cells.
 
-The faulty node is reached through :class:`tests.proxy.FaultProxy`; the servers keep their
+The faulty node is reached through :class:`tests.support.proxy.FaultProxy`; the servers keep their
 data in an append-only file (``restart-aof`` restarts keep it, ``restart-empty`` wipes it).
 """
 
@@ -34,8 +34,8 @@ from celery_dlock.redis.redlock import LockManager
 from celery_dlock.redis.resends import CONFIRM_GRACE
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
-from tests.clients import client, idle_timeout
-from tests.proxy import FaultProxy
+from tests.support.clients import client, idle_timeout
+from tests.support.proxy import FaultProxy
 
 pytestmark = [pytest.mark.local_redis, pytest.mark.slow]
 

@@ -32,9 +32,9 @@ import pytest
 
 from celery_dlock.testing import terminate
 from celery_dlock.zookeeper import close_all as zk_close_all
-from tests.clients import client
-from tests.zookeeper import skip_reason as zk_skip_reason
-from tests.zookeeper import standalone
+from tests.support.clients import client
+from tests.support.zookeeper import skip_reason as zk_skip_reason
+from tests.support.zookeeper import standalone
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

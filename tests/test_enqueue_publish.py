@@ -21,8 +21,8 @@ from celery_dlock.headers import HEADER_QUEUED
 from celery_dlock.holder import head_nonce, value_head
 from celery_dlock.redis.janitor import janitor
 from celery_dlock.testing import RedisServer, free_port
-from tests.clients import client
-from tests.proxy import FaultProxy
+from tests.support.clients import client
+from tests.support.proxy import FaultProxy
 
 
 def publisher(
@@ -424,7 +424,7 @@ def test_a_redlock_duplicate_of_a_holder_its_worker_is_taking_over_merges_at_onc
     read = manager.holder
     reads: list[Any] = []
     taken: list[Any] = []  # the worker's leases, forgotten at the end (watched when anyone
-    # listens for lost leases, as tests.worker_app does once another module imported it)
+    # listens for lost leases, as tests.support.worker_app does once another module imported it)
 
     def worker_taking_over(k: str) -> Any:
         # First look: the take-over reached nodes 3 and 4, node 5 has missed both values; then

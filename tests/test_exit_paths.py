@@ -38,15 +38,16 @@ from celery.exceptions import (
 
 from celery_dlock import Holder, LockLost
 from celery_dlock.holder import parse_value
-from tests.celery_fixtures import Mode, make_mode
-from tests.clients import client
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, make_mode
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 
 CELERY_VERSION = (VERSION.major, VERSION.minor)
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "guarantees.md"
-#: The seam tasks' lease length (tests/worker_app.py): the bound for a key nobody can release.
+#: The seam tasks' lease length (tests/support/worker_app.py): the bound for a key nobody can
+#: release.
 TTL = 2.0
 #: "At once", allowing for a loaded test machine.
 PROMPT = 1.0

@@ -32,10 +32,10 @@ from celery_dlock.config import Settings
 from celery_dlock.lease import Lease
 from celery_dlock.redis import nodes
 from celery_dlock.redis.redlock import LockManager
-from tests.celery_fixtures import with_db
-from tests.clients import client
-from tests.sentinel import Group, poll, sentinel_group
-from tests.workers import Beat, Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import with_db
+from tests.support.clients import client
+from tests.support.sentinel import Group, poll, sentinel_group
+from tests.support.workers import Beat, Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.local_redis, pytest.mark.slow]
 

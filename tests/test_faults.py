@@ -1,9 +1,10 @@
 """The fault-injection suite, short profile: real prefork workers, real Redis, real faults.
 
-The harness (tests/faults/harness.py) runs jobs over a few hot keys while it SIGKILLs and
+The harness (tests/support/faults/harness.py) runs jobs over a few hot keys while it SIGKILLs and
 SIGSTOPs workers, freezes and restarts lock servers, and lets jobs freeze themselves between
-their lease check and their write; the checker (tests/faults/checker.py) then verifies the
-history. ``python -m tests.faults --profile long`` is the long profile (docs/reliability.md).
+their lease check and their write; the checker (tests/support/faults/checker.py) then verifies
+the history. ``python -m tests.support.faults --profile long`` is the long profile
+(docs/reliability.md).
 
 The last two tests show where the guarantee does not hold — a majority of lock servers (or the
 single one) restarting empty at once, without the delayed restart the docs require — by
@@ -20,8 +21,8 @@ import pytest
 
 from celery_dlock import lock
 from celery_dlock.testing import RedisServer
-from tests.faults import checker
-from tests.faults.harness import SCHEDULES, SHORT, run
+from tests.support.faults import checker
+from tests.support.faults.harness import SCHEDULES, SHORT, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 
@@ -39,7 +40,7 @@ def test_short_fault_profile_finds_no_violation(mode: str, tmp_path: Path) -> No
     assert report.stale_applied == [], summary
     assert report.slow_detections == [], summary
     assert report.lost_jobs == [], summary  # (a message a SIGKILL took from the broker is
-    # counted apart, in lost_in_broker: see tests/faults/checker.py)
+    # counted apart, in lost_in_broker: see tests/support/faults/checker.py)
     assert report.doubled_jobs == [], summary
     # Frozen writers came back after a newer token was applied, and the fence refused them.
     assert report.late_writes_refused >= 1, summary

@@ -25,9 +25,9 @@ from redis.crc import key_slot
 from celery_dlock import ConfigError, lock
 from celery_dlock.config import Settings, redact
 from celery_dlock.testing import RedisServer
-from tests.celery_fixtures import with_db
+from tests.support.celery_fixtures import with_db
+from tests.support.workers import Journal, Worker
 from tests.test_cli import dlock as dlock_cli
-from tests.workers import Journal, Worker
 
 MODES = ["single"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -446,7 +446,7 @@ def test_the_worker_line_runs_beat_enqueue_time_locks_and_the_operator_commands_
     import redis
 
     from celery_dlock.redis.diagnose import acl_rules
-    from tests.workers import Beat
+    from tests.support.workers import Beat
 
     with RedisServer() as server:
         admin = redis.Redis(port=server.port)
@@ -473,7 +473,7 @@ def test_the_worker_line_runs_beat_enqueue_time_locks_and_the_operator_commands_
         beat = Beat(beat_env, name="acl-beat", scheduler="dlock").start()
         previous = wa.app.conf.get("dlock_urls")
         try:
-            from tests.workers import use_lock_urls
+            from tests.support.workers import use_lock_urls
 
             use_lock_urls(wa.app, [url])
             held = wa.enqueued.apply_async(("acl-enq", 3.0), queue=queue)
@@ -510,7 +510,7 @@ def test_list_and_show_escape_keys_and_holder_fields(single_urls: list[str]) -> 
     (written by something else into the lock store) holds ESC: ``dlock list`` prints one
     row per lock, no ESC byte, the key escaped as Python writes it; ``--json`` is unchanged
     JSON (on c53a04b the table printed them raw: a forged row, a cleared screen)."""
-    from tests.clients import client
+    from tests.support.clients import client
 
     url = single_urls[0]
     forged = {
@@ -600,7 +600,7 @@ def test_one_unsendable_item_does_not_drop_the_rest_of_a_janitor_round(
 
     from celery_dlock.redis.janitor import janitor
     from celery_dlock.registry import manager_for
-    from tests.clients import client
+    from tests.support.clients import client
 
     manager = manager_for(single_urls)
     head = '{"token":"janitor-test","holder":null,"fence":'
@@ -637,7 +637,7 @@ SHOW = """
 import json, os, resource, subprocess, sys
 env = {**os.environ, "DLOCK_TEST_LOCK_URLS": sys.argv[1]}
 done = subprocess.run(
-    [sys.executable, "-m", "celery", "-A", "tests.cli_app", "dlock", "show", sys.argv[2]],
+    [sys.executable, "-m", "celery", "-A", "tests.support.cli_app", "dlock", "show", sys.argv[2]],
     env=env, capture_output=True, text=True, check=False,
 )
 print(json.dumps([resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, done.stdout,
@@ -701,7 +701,7 @@ def test_a_lock_value_without_expiry_is_named_and_not_spun_on(single_urls: list[
     showed ttl_left -0.001)."""
     from celery_dlock import LockContended
     from celery_dlock.holder import value_head
-    from tests.clients import client
+    from tests.support.clients import client
 
     url = single_urls[0]
     store = client(url)
@@ -762,7 +762,7 @@ def test_a_counter_at_the_bound_refuses_rather_than_issue_a_falling_token(
     """On c53a04b a counter at 2**63 - 1 gave a negative token (``%d`` of 2**63), and one past
     2**53 tokens that did not rise (doubles)."""
     from celery_dlock import LockUnavailable
-    from tests.clients import client
+    from tests.support.clients import client
 
     url = single_urls[0]
     client(url).set("dlock:{fenced}:fence", counter)
@@ -842,7 +842,7 @@ def test_tls_without_verification_warns_at_worker_start_and_in_dlock_check(
 ) -> None:
     """``ssl_cert_reqs=none`` works (no CA is checked) but the worker's start-up log and
     ``dlock check`` say that verification is off (on c53a04b: not a word, and "ok")."""
-    from tests.tls import TlsProxy, make_certificates
+    from tests.support.tls import TlsProxy, make_certificates
 
     certs = make_certificates()
     with RedisServer() as server, TlsProxy(server.port, certs) as proxy:

@@ -19,7 +19,7 @@ from celery_dlock.lease import Lease
 from celery_dlock.registry import forget, manager_for
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer
-from tests.clients import client
+from tests.support.clients import client
 
 #: The ``urls`` fixture's stores this module runs on (tests/conftest.py).
 MODES = ["single", "redlock5", "zookeeper"]
@@ -33,7 +33,7 @@ def delete_lock(urls: list[str], key: str) -> None:
     """Delete ``key``'s lock behind its holder's back: the Redis key on every node, or on
     ZooKeeper the holder's node (by a client of our own)."""
     if on_zookeeper(urls):
-        from tests.zookeeper import delete_holder
+        from tests.support.zookeeper import delete_holder
 
         assert delete_holder(urls[0], key), f"nobody held {key!r}"
         return

@@ -19,7 +19,7 @@ from celery_dlock.lease import Lease
 from celery_dlock.redis import scripts
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
-from tests.clients import client
+from tests.support.clients import client
 
 pytestmark = pytest.mark.local_redis
 

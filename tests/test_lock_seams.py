@@ -17,8 +17,8 @@ from celery_dlock import LockContended, LockLost, LockUnavailable, lock, lock_lo
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer
-from tests.clients import client, idle_timeout
-from tests.proxy import FaultProxy
+from tests.support.clients import client, idle_timeout
+from tests.support.proxy import FaultProxy
 
 pytestmark = pytest.mark.local_redis
 

@@ -1,6 +1,6 @@
 """The pool matrix: Celery's five worker pools by the lock's core behaviours, on real workers.
 
-One ``celery worker`` per pool (``-A tests.pool_app``) serves every row of that pool; the
+One ``celery worker`` per pool (``-A tests.support.pool_app``) serves every row of that pool; the
 worker-kill row runs last and kills it. The locks live on a Redis server of this module's own,
 so the connections a worker opens to the lock server can be counted (``INFO clients``).
 
@@ -26,9 +26,9 @@ from celery import group, states
 from celery_dlock import LockLost, lock
 from celery_dlock.redis.connecting import POLLIN, SelectPoll
 from celery_dlock.testing import RedisServer, redis_servers
-from tests.celery_fixtures import Mode, make_mode
-from tests.clients import client
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, make_mode
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 
@@ -36,7 +36,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "singleton.md"
 POOLS = ("prefork", "threads", "solo", "gevent", "eventlet")
 GREEN = ("gevent", "eventlet")
 CONCURRENCY = {"prefork": 2, "threads": 4, "solo": 1, "gevent": 50, "eventlet": 50}
-#: tests/pool_app.py's lease length for ``held``.
+#: tests/support/pool_app.py's lease length for ``held``.
 TTL = 1.5
 #: "At once", allowing for a loaded test machine.
 PROMPT = 1.0
@@ -97,7 +97,7 @@ class Workers:
                 pool=pool,
                 concurrency=CONCURRENCY[pool],
                 queue=f"pool_{pool}",
-                app="tests.pool_app",
+                app="tests.support.pool_app",
             )
             self.started[pool] = worker.start(timeout=60)
         return worker
@@ -109,9 +109,9 @@ class Workers:
 
 @pytest.fixture(scope="module")
 def pa(wa: Any) -> Any:
-    """The test process's copy of ``tests.pool_app`` (its app is ``wa``'s, pointed at the
+    """The test process's copy of ``tests.support.pool_app`` (its app is ``wa``'s, pointed at the
     module's servers)."""
-    from tests import pool_app
+    from tests.support import pool_app
 
     return pool_app
 
@@ -402,7 +402,7 @@ def test_redlock_on_green_pools(
         pool=pool,
         concurrency=CONCURRENCY[pool],
         queue=f"redlock_{pool}",
-        app="tests.pool_app",
+        app="tests.support.pool_app",
     )
     worker.start(timeout=60)
     try:

@@ -1,5 +1,5 @@
 """The green pools with locks over TLS: a ``-P gevent`` and a ``-P eventlet`` worker (``-c 50``,
-``-A tests.pool_app``) run locked tasks on a ``rediss://`` lock server (a TLS proxy that
+``-A tests.support.pool_app``) run locked tasks on a ``rediss://`` lock server (a TLS proxy that
 requires a client certificate, in front of a Redis server of this module's own).
 
 What it shows: the TLS sockets of green threads are polled right (eventlet's ``select.select``
@@ -16,10 +16,10 @@ import pytest
 from celery import group
 
 from celery_dlock.testing import RedisServer
-from tests.celery_fixtures import Mode, make_mode
-from tests.clients import client
-from tests.tls import TlsProxy, make_certificates, tls_url
-from tests.workers import Journal, Worker
+from tests.support.celery_fixtures import Mode, make_mode
+from tests.support.clients import client
+from tests.support.tls import TlsProxy, make_certificates, tls_url
+from tests.support.workers import Journal, Worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 CONCURRENCY = 50
@@ -46,7 +46,7 @@ def mode(celery_base: str, tls_lock_url: str) -> Mode:
 
 @pytest.fixture(scope="module")
 def pa(wa: Any) -> Any:
-    from tests import pool_app
+    from tests.support import pool_app
 
     return pool_app
 
@@ -61,7 +61,7 @@ def test_locked_tasks_over_tls(pool: str, pa: Any, mode: Mode, lock_server: Redi
         pool=pool,
         concurrency=CONCURRENCY,
         queue=f"tls_{pool}",
-        app="tests.pool_app",
+        app="tests.support.pool_app",
     ).start(timeout=60)
     redis = client(lock_server.url)
     try:

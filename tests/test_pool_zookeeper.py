@@ -1,5 +1,5 @@
 """The green pools with locks on ZooKeeper: a ``-P gevent`` and a ``-P eventlet`` worker
-(``-c 50``, ``-A tests.pool_app``) run locked tasks on ``zookeeper://``.
+(``-c 50``, ``-A tests.support.pool_app``) run locked tasks on ``zookeeper://``.
 
 kazoo's threading handler serves gevent as it is (the monkey patching makes its thread and
 socket waits green); under eventlet it does not, and the session uses kazoo's eventlet handler
@@ -15,8 +15,8 @@ import pytest
 from celery import group
 
 from celery_dlock import lock
-from tests.celery_fixtures import Mode, make_mode
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, make_mode
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 MODES = ("zookeeper",)
@@ -32,7 +32,7 @@ def mode(celery_base: str, zookeeper_session_url: str) -> Mode:
 
 @pytest.fixture(scope="module")
 def pa(wa: Any) -> Any:
-    from tests import pool_app
+    from tests.support import pool_app
 
     return pool_app
 
@@ -48,7 +48,7 @@ def green_worker(request: pytest.FixtureRequest, mode: Mode, pa: Any) -> Iterato
         pool=pool,
         concurrency=50,
         queue=f"zk_{pool}",
-        app="tests.pool_app",
+        app="tests.support.pool_app",
     ).start(timeout=60)
     yield worker
     worker.stop()

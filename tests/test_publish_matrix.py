@@ -37,15 +37,15 @@ import pytest
 from celery import chain, chord, group
 
 from celery_dlock import admin
-from tests.celery_fixtures import Mode, make_mode, with_db
-from tests.workers import Journal, Worker
+from tests.support.celery_fixtures import Mode, make_mode, with_db
+from tests.support.workers import Journal, Worker
 
 pytestmark = [pytest.mark.slow]
 
 MODES = ("single", "redlock5", "zookeeper")
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "singleton.md"
-#: The task of each kind (tests/worker_app.py): ``SingletonTask`` with each ``lock_on``, and
+#: The task of each kind (tests/support/worker_app.py): ``SingletonTask`` with each ``lock_on``, and
 #: the drop-in classes (both lock at enqueue), each under a subclass that opts calls out.
 TASKS = {
     "execute": "seam",
@@ -290,7 +290,7 @@ def purged_between(run: Run) -> list[Any]:
     # Its queued lock (enqueue) is left behind: the operator view shows it as queued, with
     # the task id it waits on, and the documented way out frees it; then a call runs.
     first = duplicate(run, queue="pm_nobody")
-    command = [sys.executable, "-m", "celery", "-A", "tests.worker_app", "purge", "-f"]
+    command = [sys.executable, "-m", "celery", "-A", "tests.support.worker_app", "purge", "-f"]
     purged = subprocess.run(
         [*command, "-Q", "pm_nobody"],
         env={**os.environ, **run.mode.env, "PYTHONPATH": str(ROOT)},
@@ -442,8 +442,8 @@ def broker_url(request: pytest.FixtureRequest, celery_base: str) -> str:
 
 @pytest.fixture(scope="module", params=MODES)
 def mode(request: pytest.FixtureRequest, celery_base: str, broker_url: str) -> Mode:
-    """The lock store (as tests/celery_fixtures.py's ``mode``), on ``broker_url``."""
-    from tests.celery_fixtures import ZK_SESSION
+    """The lock store (as tests/support/celery_fixtures.py's ``mode``), on ``broker_url``."""
+    from tests.support.celery_fixtures import ZK_SESSION
 
     if request.param == "zookeeper":
         url = request.getfixturevalue("zookeeper_session_url")

@@ -10,7 +10,7 @@ import pytest
 
 from celery_dlock import ConfigError, LockLost, lock
 from celery_dlock.testing import RedisServer
-from tests.clients import client
+from tests.support.clients import client
 from tests.test_cli import dlock
 
 pytestmark = pytest.mark.local_redis

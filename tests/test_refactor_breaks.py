@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from celery_dlock import Holder, LockContended
-from tests.old_tree import unpack
+from tests.support.old_tree import unpack
 
 # What 205c568 pickled for
 #   Holder(token="n1", holder="tid", host="h", pid=1, since=2.0, fence=3)

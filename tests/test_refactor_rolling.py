@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from celery_dlock import LockContended
-from tests.celery_fixtures import Mode, make_mode
-from tests.clients import client
-from tests.old_tree import run_old, unpack
-from tests.workers import Beat, Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, make_mode
+from tests.support.clients import client
+from tests.support.old_tree import run_old, unpack
+from tests.support.workers import Beat, Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow]
 
@@ -39,6 +39,7 @@ class OldWorker(Worker):
     """A worker whose code is 205c568's (its own tests.worker_app and celery_dlock)."""
 
     def __init__(self, root: Path, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("app", "tests.worker_app")  # where the old tree has it
         super().__init__(*args, **kwargs)
         self.root = root
 

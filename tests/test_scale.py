@@ -21,7 +21,7 @@ import redis
 from celery_dlock.config import Settings
 from celery_dlock.errors import LockContended
 from celery_dlock.redis.redlock import LockManager
-from tests.clients import client
+from tests.support.clients import client
 
 DAY_MS = 86_400_000
 

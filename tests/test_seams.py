@@ -26,9 +26,9 @@ from celery_dlock import (
     LockUnavailable,
     SingletonTask,
 )
-from tests.celery_fixtures import Mode, make_mode
-from tests.clients import client
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, make_mode
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 

@@ -1,6 +1,6 @@
 """Sentinel: locks through a master group, a forced failover, and the lock a failover loses.
 
-Real processes on 127.0.0.1: a master, a replica, three sentinels (:mod:`tests.sentinel`).
+Real processes on 127.0.0.1: a master, a replica, three sentinels (:mod:`tests.support.sentinel`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from celery_dlock import LockContended, LockLost, LockUnavailable, SingletonTask
 from celery_dlock.lease import Lease
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import free_port
-from tests.sentinel import Group, poll, sentinel_group
+from tests.support.sentinel import Group, poll, sentinel_group
 from tests.test_docs import topology_examples
 
 pytestmark = [pytest.mark.local_redis, pytest.mark.slow]

@@ -12,8 +12,8 @@ from celery import VERSION, states
 from redis.exceptions import RedisError
 
 from celery_dlock.redis.nodes import connect, is_connected
-from tests.celery_fixtures import Mode, node_timeout, submit_concurrently
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, node_timeout, submit_concurrently
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = pytest.mark.slow
 MODES = ["single", "redlock5", "zookeeper"]

@@ -15,12 +15,12 @@ from celery.utils import uuid
 
 from celery_dlock import hooks
 from celery_dlock.testing import RedisServer
-from tests.celery_fixtures import Mode, submit_concurrently
-from tests.workers import Journal, Worker, intervals, overlaps
+from tests.support.celery_fixtures import Mode, submit_concurrently
+from tests.support.workers import Journal, Worker, intervals, overlaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.local_redis]
 #: The lock stores this module's workers run on (tests/conftest.py); on ZooKeeper the session
-#: timeout (3 s, tests/celery_fixtures.py) plays the tasks' lock_ttl of 3 s.
+#: timeout (3 s, tests/support/celery_fixtures.py) plays the tasks' lock_ttl of 3 s.
 MODES = ["single", "redlock5", "zookeeper"]
 
 

@@ -40,7 +40,7 @@ def test_a_server_asking_for_a_password_is_taken_as_started() -> None:
 
 
 def _rabbitmq() -> Any:
-    from tests import rabbitmq
+    from tests.support import rabbitmq
 
     reason = rabbitmq.skip_reason()
     if reason is not None:
@@ -67,7 +67,7 @@ def test_a_broker_port_something_else_holds_fails_the_rabbitmq_start() -> None:
 CHILD = """
 import signal, sys
 sys.path.insert(0, {root!r})
-from tests.rabbitmq import RabbitServer
+from tests.support.rabbitmq import RabbitServer
 
 def interrupt(signum, frame):
     raise KeyboardInterrupt

@@ -1,6 +1,6 @@
 """TLS (CA file, client certificate) and ACL users, against real servers behind real TLS.
 
-Three redis-servers, each behind a :class:`tests.tls.TlsProxy` that requires a client
+Three redis-servers, each behind a :class:`tests.support.tls.TlsProxy` that requires a client
 certificate; on each, an ACL user made with exactly the rules the docs give
 (:func:`celery_dlock.redis.diagnose.acl_rules`). Every misconfiguration gets an error that names the
 URL (password hidden) and the fix.
@@ -27,8 +27,8 @@ from celery_dlock.redis.diagnose import ACL_COMMANDS, acl_rules
 from celery_dlock.redis.nodes import Node
 from celery_dlock.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
+from tests.support.tls import Certificates, TlsProxy, make_certificates, tls_url
 from tests.test_cli import dlock as dlock_cli
-from tests.tls import Certificates, TlsProxy, make_certificates, tls_url
 
 pytestmark = pytest.mark.local_redis
 

@@ -16,7 +16,7 @@ import redis
 from celery_dlock import lock
 from celery_dlock.lease import Lease
 from celery_dlock.zookeeper import ZooKeeperBackend
-from tests.zookeeper import until
+from tests.support.zookeeper import until
 
 
 class FencedStore:

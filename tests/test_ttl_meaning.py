@@ -26,7 +26,7 @@ import pytest
 from celery_dlock.backend import Backend
 from celery_dlock.config import Settings, backend_module
 from celery_dlock.errors import LockContended
-from tests.zookeeper import until
+from tests.support.zookeeper import until
 
 MODES = ["single", "redlock5", "zookeeper"]
 

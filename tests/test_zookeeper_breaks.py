@@ -15,7 +15,14 @@ import pytest
 
 from celery_dlock.errors import LockUnavailable
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from tests.zookeeper import FaultProxy, ZkServer, four_letter, skip_reason, standalone, until
+from tests.support.zookeeper import (
+    FaultProxy,
+    ZkServer,
+    four_letter,
+    skip_reason,
+    standalone,
+    until,
+)
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")

@@ -1,4 +1,5 @@
-"""The ZooKeeper backend on real servers (Debian's zookeeper package, see tests/zookeeper.py).
+"""The ZooKeeper backend on real servers (Debian's zookeeper package, see
+tests/support/zookeeper.py).
 
 Each test asserts the behaviour its name states. Synchronisation is by polls with deadlines
 (:func:`until`), never by bare sleeps.
@@ -28,7 +29,15 @@ from celery_dlock.lease import Lease
 from celery_dlock.zookeeper import ZkLease, ZooKeeperBackend, close_all, parse
 from celery_dlock.zookeeper.acquire import renew_every
 from celery_dlock.zookeeper.session import shared
-from tests.zookeeper import Ensemble, FaultProxy, ZkServer, ensemble, skip_reason, standalone, until
+from tests.support.zookeeper import (
+    Ensemble,
+    FaultProxy,
+    ZkServer,
+    ensemble,
+    skip_reason,
+    standalone,
+    until,
+)
 
 REASON = skip_reason()
 needs_zk = pytest.mark.skipif(REASON is not None, reason=REASON or "")

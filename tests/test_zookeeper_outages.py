@@ -27,7 +27,7 @@ from kazoo.protocol.serialization import Watch
 from celery_dlock.errors import LockContended, LockUnavailable
 from celery_dlock.zookeeper import ZkLease, ZooKeeperBackend, close_all
 from celery_dlock.zookeeper.nodes import parse_name
-from tests.zookeeper import (
+from tests.support.zookeeper import (
     START_TIMEOUT,
     Ensemble,
     FaultProxy,

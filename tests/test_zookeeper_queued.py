@@ -27,9 +27,9 @@ from celery_dlock.errors import LockContended
 from celery_dlock.lease import Lease
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from celery_dlock.zookeeper.nodes import parse_name
-from tests.celery_fixtures import make_mode, point_at_broker, submit_concurrently
-from tests.workers import Journal, Worker, use_lock_urls
-from tests.zookeeper import ZkServer, ensemble, skip_reason, standalone, until
+from tests.support.celery_fixtures import make_mode, point_at_broker, submit_concurrently
+from tests.support.workers import Journal, Worker, use_lock_urls
+from tests.support.zookeeper import ZkServer, ensemble, skip_reason, standalone, until
 
 REASON = skip_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -406,19 +406,19 @@ def test_a_forgotten_lease_keeps_its_place_ahead_of_a_waiter(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def zk_celery(zk: ZkServer, celery_base: str) -> Iterator[tuple[Any, Journal, str]]:
-    """A ``celery worker`` (tests.worker_app) whose locks are on ZooKeeper, the test
+    """A ``celery worker`` (tests.support.worker_app) whose locks are on ZooKeeper, the test
     process's copy of the app pointed at the same servers, its journal, the lock URL. The
     environment is only the worker's: nothing leaks to other modules' workers."""
     zk_url = f"zookeeper://{zk.hosts}/celery-{uuid.uuid4().hex[:8]}?timeout=4"
     env = {**make_mode("zk", celery_base).env, "DLOCK_TEST_LOCK_URL": zk_url}
-    from tests import worker_app
+    from tests.support import worker_app
 
     point_at_broker(worker_app.app, env["DLOCK_TEST_BROKER"])
     worker_app.app.conf.result_backend = env["DLOCK_TEST_BACKEND"]
     use_lock_urls(worker_app.app, [zk_url])
     journal = Journal(env["DLOCK_TEST_JOURNAL"])
     journal.clear()
-    worker = Worker(env, journal, name="zk", app="tests.zk_worker_app").start()
+    worker = Worker(env, journal, name="zk", app="tests.support.zk_worker_app").start()
     try:
         yield worker_app, journal, zk_url
     finally:

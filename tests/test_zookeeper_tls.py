@@ -1,7 +1,7 @@
 """``zookeepers://``: the ZooKeeper backend over TLS, against a real ZooKeeper TLS endpoint.
 
-The server is Debian's ZooKeeper (tests/zookeeper.py) with its Netty connection factory and a
-``secureClientPort`` that requires a client certificate (``ssl.clientAuth=need``, ZooKeeper's
+The server is Debian's ZooKeeper (tests/support/zookeeper.py) with its Netty connection factory
+and a ``secureClientPort`` that requires a client certificate (``ssl.clientAuth=need``, ZooKeeper's
 default), its keys in PEM files made per run with ``trustme`` (the server's certificate names
 ``localhost`` only, so a connection to 127.0.0.1 exercises the hostname check). kazoo does a
 real TLS handshake with it; the plain ``clientPort`` is only polled for readiness (``srvr``).
@@ -31,7 +31,7 @@ from celery_dlock.errors import ConfigError, LockUnavailable
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all, parse
 from celery_dlock.zookeeper.session import shared
 from celery_dlock.zookeeper.url import ZkTls
-from tests.zookeeper import (
+from tests.support.zookeeper import (
     JAR,
     JAVA_OPTS,
     MAIN,

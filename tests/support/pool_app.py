@@ -1,7 +1,7 @@
-"""The tasks of the pool matrix (tests/test_pool_matrix.py), on top of ``tests.worker_app``.
+"""The tasks of the pool matrix (tests/test_pool_matrix.py), on top of ``tests.support.worker_app``.
 
-Run as ``celery -A tests.pool_app worker -P <pool>``: the app, its settings and journal are
-``tests.worker_app``'s; this module adds bodies that yield (``time.sleep``, green under
+Run as ``celery -A tests.support.pool_app worker -P <pool>``: the app, its settings and journal are
+``tests.support.worker_app``'s; this module adds bodies that yield (``time.sleep``, green under
 gevent and eventlet), bodies that compute without yielding, a task that waits in ``lock()``,
 and a trivial locked task for counting connections.
 """
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from celery_dlock import LockLost, SingletonTask, lock
-from tests.worker_app import app, record
+from tests.support.worker_app import app, record
 
 __all__ = ["app"]
 

@@ -1,4 +1,4 @@
-"""A Celery app for the operator command's tests: ``celery -A tests.cli_app dlock ...``."""
+"""A Celery app for the operator command's tests: ``celery -A tests.support.cli_app dlock ...``."""
 
 from __future__ import annotations
 

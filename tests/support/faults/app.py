@@ -1,4 +1,4 @@
-"""The Celery app the fault harness runs in real workers: ``celery -A tests.faults.app``.
+"""The Celery app the fault harness runs in real workers: ``celery -A tests.support.faults.app``.
 
 Configured from the environment the harness sets:
 
@@ -21,7 +21,7 @@ from celery import Celery
 from celery.signals import before_task_publish, task_prerun
 
 from celery_dlock import LockLost, SingletonTask, lock_lost
-from tests.faults import history
+from tests.support.faults import history
 
 BROKER = os.environ.get("FAULTS_BROKER", "redis://127.0.0.1:6379")
 TTL = float(os.environ.get("FAULTS_TTL", "2"))

@@ -1,6 +1,6 @@
 """Fixtures for tests with real ``celery worker`` processes: one broker Redis, a mode (single
-Redis or Redlock-5 for the locks), the test process's copy of ``tests.worker_app``, a journal,
-and a module-scoped worker."""
+Redis or Redlock-5 for the locks), the test process's copy of ``tests.support.worker_app``, a
+journal, and a module-scoped worker."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from celery_dlock import registry
-from tests.clients import client
-from tests.workers import Journal, Worker, use_lock_urls
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker, use_lock_urls
 
 #: Session timeout (seconds) of the zookeeper mode's clients, workers and beats.
 ZK_SESSION = 3
@@ -36,7 +36,7 @@ class Mode:
         """Empty the lock store (FLUSHDB on each Redis; the chroot on ZooKeeper)."""
         if self.zookeeper:
             from celery_dlock.zookeeper import parse
-            from tests.zookeeper import wipe
+            from tests.support.zookeeper import wipe
 
             url = parse(self.lock_urls[0])
             wipe(url.connect_string, url.chroot)
@@ -48,7 +48,7 @@ class Mode:
         """Delete ``key``'s lock behind its holder's back (a DEL of the Redis key on every
         node; on ZooKeeper a delete of the holder's node by a client of our own)."""
         if self.zookeeper:
-            from tests.zookeeper import delete_holder
+            from tests.support.zookeeper import delete_holder
 
             assert delete_holder(self.lock_urls[0], key), f"nobody held {key!r}"
             return
@@ -128,9 +128,9 @@ def point_at_broker(app: Any, url: str) -> None:
 
 @pytest.fixture(scope="module")
 def wa(mode: Mode) -> Any:
-    """The test process's copy of ``tests.worker_app``, pointed at this mode's servers."""
+    """The test process's copy of ``tests.support.worker_app``, pointed at this mode's servers."""
     os.environ.update(mode.env)
-    from tests import worker_app
+    from tests.support import worker_app
 
     point_at_broker(worker_app.app, mode.env["DLOCK_TEST_BROKER"])
     worker_app.app.conf.result_backend = mode.env["DLOCK_TEST_BACKEND"]

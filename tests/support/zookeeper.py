@@ -10,7 +10,8 @@ returns the one line the tests skip with.
 Every server listens on 127.0.0.1 on free ports (client, quorum and election ports) and is
 stopped by its PID. Start-up is kept short: tickTime 200 ms, a small serial-GC heap, no admin
 server, no fsync. Faults between a client and a server come from :class:`FaultProxy`
-(``tests/proxy.py``), whose ``blackhole()`` stops forwarding either way and ``heal()`` resumes.
+(``tests/support/proxy.py``), whose ``blackhole()`` stops forwarding either way and ``heal()``
+resumes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.proxy import FaultProxy
+from tests.support.proxy import FaultProxy
 
 __all__ = [
     "CHROOT",
@@ -341,7 +342,7 @@ def ensemble(size: int = 3) -> Iterator[Ensemble]:
             group.stop()
 
 
-if __name__ == "__main__":  # python -m tests.zookeeper: time a start of each
+if __name__ == "__main__":  # python -m tests.support.zookeeper: time a start of each
     reason = skip_reason()
     if reason:
         raise SystemExit(reason)

@@ -1,4 +1,4 @@
-"""``python -m tests.faults [--profile short|long] [--mode single|redlock5|both]``
+"""``python -m tests.support.faults [--profile short|long] [--mode single|redlock5|both]``
 
 Runs the fault-injection workload and prints the checker's figures as JSON; exits 1 if any
 check failed. The long profile is what docs/reliability.md reports.
@@ -12,11 +12,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.faults.harness import LONG, SHORT, run
+from tests.support.faults.harness import LONG, SHORT, run
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.faults")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.faults")
     parser.add_argument("--profile", choices=("short", "long"), default="long")
     parser.add_argument("--mode", choices=("single", "redlock5", "both"), default="both")
     parser.add_argument("--seed", type=int, default=1)

@@ -1,6 +1,6 @@
 """Check a fault run's history, as a program and not by eye (Jepsen-style).
 
-Reads the entries the executions wrote (:mod:`tests.faults.history`), the fault events the
+Reads the entries the executions wrote (:mod:`tests.support.faults.history`), the fault events the
 harness wrote, and the store's log of write attempts, and verifies:
 
 * **no overlap**: no two executions of one key held valid leases at the same time. An
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.faults import history
+from tests.support.faults import history
 
 
 @dataclass

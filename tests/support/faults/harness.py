@@ -1,8 +1,8 @@
 """Run a workload in real prefork workers while injecting faults, then check the history.
 
 One run: a broker Redis nobody touches, the lock servers (one, or five for Redlock), two or
-more ``celery worker -P prefork`` processes running :mod:`tests.faults.app`, jobs submitted at
-a steady rate over a few hot keys, and faults from a schedule:
+more ``celery worker -P prefork`` processes running :mod:`tests.support.faults.app`, jobs
+submitted at a steady rate over a few hot keys, and faults from a schedule:
 
 * ``kill-worker``: SIGKILL a worker and its pool (a replacement starts, as a supervisor would);
 * ``pause-worker``: SIGSTOP a pool process that is running a job for 1.5 ttl, then SIGCONT;
@@ -36,9 +36,9 @@ import redis
 from celery import Celery
 
 from celery_dlock.testing import RedisServer
-from tests.faults import checker, history
+from tests.support.faults import checker, history
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Profile:
 
 
 #: Seconds without a newly applied job after which the drain stops waiting: well over the
-#: 6 s visibility timeout plus restore and requeue delays (tests/faults/app.py).
+#: 6 s visibility timeout plus restore and requeue delays (tests/support/faults/app.py).
 STALL = 20.0
 
 SHORT = Profile("short", 24.0, 6.0, 3, 2, 2, 2.0, 25, 1)
@@ -82,8 +82,8 @@ class Worker:
         self.name = name
         log = directory / f"{name}.log"
         args = [
-            sys.executable, "-m", "celery", "-A", "tests.faults.app", "worker", "-P", "prefork",
-            "-c", str(concurrency), "-n", f"{name}@faults", "--without-gossip",
+            sys.executable, "-m", "celery", "-A", "tests.support.faults.app", "worker",
+            "-P", "prefork", "-c", str(concurrency), "-n", f"{name}@faults", "--without-gossip",
             "--without-mingle", "--without-heartbeat", "-l", "WARNING", "--logfile", str(log),
         ]  # fmt: skip
         self.process = subprocess.Popen(
@@ -367,7 +367,7 @@ class Run:
         every = self.profile.pause_every
         name = "paused_job" if every and n % every == every - 1 else "job"
         history.record(self.directory, "published", job=job)
-        driver.send_task(f"tests.faults.app.{name}", (job, key, secs), task_id=job)
+        driver.send_task(f"tests.support.faults.app.{name}", (job, key, secs), task_id=job)
         self.jobs.append(job)
 
 

@@ -1,11 +1,11 @@
 """The Celery app of the compat tests: tasks on ``celery_dlock.compat.Singleton`` and
 ``QueueOnce``, configured only with the peers' own settings (``singleton_backend_url``,
-``ONCE``), run by a real ``celery worker`` (tests/compat_fixtures.py).
+``ONCE``), run by a real ``celery worker`` (tests/support/compat_fixtures.py).
 
 The tasks are the ones the peers' test suites define (tests/test_compat_singleton_upstream.py
 and tests/test_compat_once_upstream.py name the upstream files) and the ones of the fault
 scenarios of shared/research/anchor-faults.md (``work`` and ``flaky``, as measured there).
-Every body writes to the journal of tests/worker_app.py.
+Every body writes to the journal of tests/support/worker_app.py.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery import Celery
-
 from celery_dlock.compat import QueueOnce, Singleton
-from tests.worker_app import _body, record
+from tests.support.worker_app import SupportApp, _body, record
 
 LOCKS = os.environ.get("DLOCK_TEST_LOCK_URLS", "redis://127.0.0.1:6379/2").split(",")[0]
 
-app = Celery(
+app = SupportApp(
     "compat_app",
     broker=os.environ.get("DLOCK_TEST_BROKER", "redis://127.0.0.1:6379/0"),
     backend=os.environ.get("DLOCK_TEST_BACKEND", "redis://127.0.0.1:6379/1"),

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from celery_dlock import registry
-from tests.clients import client
+from tests.support.clients import client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Journal:
-    """The events tasks recorded (``tests.worker_app.record``), read back by the tests."""
+    """The events tasks recorded (``tests.support.worker_app.record``), read back by the tests."""
 
     def __init__(self, url: str) -> None:
         self.client = client(url)
@@ -104,7 +104,7 @@ class Worker:
         pool: str = "prefork",
         concurrency: int = 4,
         queue: str | None = None,
-        app: str = "tests.worker_app",
+        app: str = "tests.support.worker_app",
     ) -> None:
         self.env = env
         self.app = app
@@ -191,7 +191,7 @@ class Beat:
         # process; libfaketime's DONT_FAKE_MONOTONIC breaks Python's time.sleep).
         shifted = ["faketime", "-f", f"{self.clock_offset:+g}s"] if self.clock_offset else []
         args = [
-            *shifted, sys.executable, "-m", "celery", "-A", "tests.worker_app", "beat",
+            *shifted, sys.executable, "-m", "celery", "-A", "tests.support.worker_app", "beat",
             "-s", str(self.directory / "schedule"), "--pidfile=", "-l", "INFO",
             "--logfile", str(self.logfile), "--max-interval", "1",
             *(["-S", self.scheduler] if self.scheduler else []),

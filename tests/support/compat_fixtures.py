@@ -1,4 +1,4 @@
-"""Fixtures of the compat tests: ``tests.compat_app`` in this process, its journal, and one
+"""Fixtures of the compat tests: ``tests.support.compat_app`` in this process, its journal, and one
 real ``celery worker`` of it per test module."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import ModuleType
 
 import pytest
 
-from tests.celery_fixtures import Mode, make_mode, point_at_broker, with_db
-from tests.clients import client
-from tests.workers import Journal, Worker
+from tests.support.celery_fixtures import Mode, make_mode, point_at_broker, with_db
+from tests.support.clients import client
+from tests.support.workers import Journal, Worker
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +27,9 @@ def compat_mode(celery_base: str) -> Mode:
 
 @pytest.fixture(scope="session")
 def ca(compat_mode: Mode) -> ModuleType:
-    """This process's copy of ``tests.compat_app``, pointed at the session's servers."""
+    """This process's copy of ``tests.support.compat_app``, pointed at the session's servers."""
     os.environ.update(compat_mode.env)
-    from tests import compat_app
+    from tests.support import compat_app
 
     point_at_broker(compat_app.app, compat_mode.env["DLOCK_TEST_BROKER"])
     compat_app.app.conf.result_backend = compat_mode.env["DLOCK_TEST_BACKEND"]
@@ -49,7 +49,7 @@ def compat_journal(compat_mode: Mode, ca: ModuleType) -> Journal:
 @pytest.fixture(scope="module")
 def compat_worker(compat_mode: Mode, ca: ModuleType) -> Iterator[Worker]:
     journal = Journal(compat_mode.env["DLOCK_TEST_JOURNAL"])
-    worker = Worker(compat_mode.env, journal, name="compat", app="tests.compat_app")
+    worker = Worker(compat_mode.env, journal, name="compat", app="tests.support.compat_app")
     worker.start()
     yield worker
     worker.stop()
