@@ -80,4 +80,4 @@ fi
 # The floor is the one pyproject.toml declares: a change of one without the other fails here.
 floor="$(sed -n 's/^    "redis>=\([0-9.]*\)",$/\1/p' pyproject.toml)"
 "$old/bin/python" -c "import redis, sys; v = redis.__version__; sys.exit(0 if v.startswith('$floor') else f'redis-py {v} here, but pyproject.toml says redis>=$floor: make them agree')"
-"$old/bin/python" -m pytest -q tests/test_beat_ticks.py tests/test_lock.py -k "not zookeeper"
+"$old/bin/python" -m pytest -q tests/celery/test_beat_ticks.py tests/core/test_lock.py -k "not zookeeper"

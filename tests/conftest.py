@@ -185,7 +185,7 @@ def _close_clients() -> Iterator[None]:
 def _close_zookeeper_clients() -> Iterator[None]:
     """Close this process's ZooKeeper clients after each module: a connected kazoo client
     draws from the global ``random`` on every loop of its connection thread, which makes
-    hypothesis (tests/test_wire_keys.py) report flaky data generation in a later module."""
+    hypothesis (tests/celery/test_wire_keys.py) report flaky data generation in a later module."""
     yield
     zookeeper = sys.modules.get("celery_dlock.zookeeper")
     if zookeeper is not None:

@@ -2,8 +2,8 @@
 ``QueueOnce``, configured only with the peers' own settings (``singleton_backend_url``,
 ``ONCE``), run by a real ``celery worker`` (tests/support/compat_fixtures.py).
 
-The tasks are the ones the peers' test suites define (tests/test_compat_singleton_upstream.py
-and tests/test_compat_once_upstream.py name the upstream files) and the ones of the fault
+The tasks are the ones the peers' test suites define (tests/compat/test_compat_singleton_upstream.py
+and tests/compat/test_compat_once_upstream.py name the upstream files) and the ones of the fault
 scenarios of shared/research/anchor-faults.md (``work`` and ``flaky``, as measured there).
 Every body writes to the journal of tests/support/worker_app.py.
 """
@@ -207,7 +207,7 @@ def once_short_lived(self: Any, a: int, secs: float) -> int:
     return a
 
 
-# -- a migrating team's calls (tests/test_compat_migration.py) ---------------------------------
+# -- a migrating team's calls (tests/compat/test_compat_migration.py) ------------------------------
 
 
 @app.task(shared=False, base=Singleton, bind=True, raise_on_duplicate=True)

@@ -1,4 +1,5 @@
-"""The tasks of the pool matrix (tests/test_pool_matrix.py), on top of ``tests.support.worker_app``.
+"""The tasks of the pool matrix (tests/celery/test_pool_matrix.py), on top of
+``tests.support.worker_app``.
 
 Run as ``celery -A tests.support.pool_app worker -P <pool>``: the app, its settings and journal are
 ``tests.support.worker_app``'s; this module adds bodies that yield (``time.sleep``, green under

@@ -119,7 +119,7 @@ def _contended(
 
 # The two writers of a revoked task's state: the worker's parent stores REVOKED, then sends
 # task_revoked; the pool process stores the body's error, then sends task_failure. Recorded
-# after each store, so a test can wait until both have written (tests/test_exit_paths.py).
+# after each store, so a test can wait until both have written (tests/celery/test_exit_paths.py).
 @signals.task_revoked.connect
 def _revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     record("revoked", id=getattr(request, "id", None))
@@ -268,7 +268,8 @@ def bounded(self: Any, name: str, secs: float = 5.0) -> str:
 
 @app.task(base=SingletonTask, bind=True, lock_key="failover:{name}", lock_ttl=9)
 def failover_task(self: Any, name: str, secs: float = 14.0) -> str:
-    """A long body under a lease longer than Sentinel's failover (tests/test_failover.py)."""
+    """A long body under a lease longer than Sentinel's failover
+    (tests/backends/redis/test_sentinel_failover.py)."""
     _body(self, name, secs)
     return name
 
@@ -279,7 +280,8 @@ def flagged(self: Any, name: str, secs: float = 2.0) -> bool:
     return bool(self.lease.lost)
 
 
-# -- the seams: every way a body ends (tests/test_seams.py, tests/test_exit_paths.py) ----------
+# -- the seams: every way a body ends (tests/celery/test_task_lifecycle.py,
+# tests/celery/test_exit_paths.py) ----------------------------------------------------------------
 #
 # All of them lock "seam:{name}", so a probe (below) contends with whichever runs. A body
 # records "start", works ``secs`` in slices, ends the way ``how`` says, and records "end" with
@@ -407,7 +409,7 @@ def seam_payload(self: Any, payload: Any, name: str = "payload") -> str:
     return name
 
 
-# -- the publish-shape matrix (tests/test_publish_matrix.py) ------------------------------------
+# -- the publish-shape matrix (tests/celery/test_publish_matrix.py) --------------------------------
 
 
 @app.task

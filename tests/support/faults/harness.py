@@ -201,8 +201,8 @@ class Run:
             self.fault(f"{kind}-resumed", nodes=[n.port for n in nodes])
         elif kind.startswith("restart-redis"):
             # Delayed restart, the documented condition: the nodes stay down longer than any
-            # lease before they come back empty (test_faults.py shows what an immediate one
-            # can do).
+            # lease before they come back empty (tests/faults/test_fault_harness.py shows what an
+            # immediate one can do).
             nodes = self.random.sample(self.servers, int(kind.rsplit("-", 1)[1]))
             self.fault(kind, nodes=[n.port for n in nodes])
             for node in nodes:
