@@ -147,6 +147,22 @@ def test_docs_have_examples() -> None:
     assert sum(len(BLOCK.findall(p.read_text())) for p in pages()) >= 8
 
 
+def test_the_test_layout_table_names_every_folder_of_tests() -> None:
+    """docs/internals.md's "Test layout" table lists each folder of tests/ that holds test
+    files, and tests/support/, and no other folder."""
+    page = (DOCS / "internals.md").read_text()
+    assert "\n## Test layout\n" in page, "docs/internals.md has no '## Test layout' section"
+    section = page.split("\n## Test layout\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(tests/[^`]*)/` \|", section, re.M))
+    tests = ROOT / "tests"
+    holding = {
+        path.parent.relative_to(ROOT).as_posix()
+        for path in tests.rglob("test_*.py")
+        if "support" not in path.relative_to(tests).parts
+    }
+    assert listed == holding | {"tests/support"}
+
+
 def topology_examples(name: str) -> list[str]:
     """The code of the docs blocks marked ``<!-- test: topology NAME -->``."""
     found = []
