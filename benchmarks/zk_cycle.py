@@ -15,7 +15,7 @@ same run:
   the holder's process sharing its client (``--mode thread``).
 
 Each library has its own client (its own session) on one standalone server started here
-(``tests/zookeeper.py``; Debian's zookeeper package) unless ``--hosts`` names one. That test
+(``tests/support/zookeeper.py``; Debian's zookeeper package) unless ``--hosts`` names one. That test
 server runs with ``forceSync=no`` (no fsync per write) and, unless ``--jit full``, a C1-only
 JIT: a production ensemble fsyncs every write to its transaction log before it answers, so
 add the disk's sync latency to every acquire and release (not to a refusal's reads). Rounds
@@ -47,10 +47,10 @@ from redis import Redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import celery_dlock
-import tests.zookeeper as zk_servers
+import tests.support.zookeeper as zk_servers
 from celery_dlock.testing import RedisServer
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from tests.zookeeper import skip_reason, standalone
+from tests.support.zookeeper import skip_reason, standalone
 
 
 class Contender:

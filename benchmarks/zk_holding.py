@@ -9,7 +9,7 @@ its own. Both ask for the same session timeout (``--timeout``, 9 s): kazoo's cli
 server after a third of it without traffic, our watchdog confirms the session every third of
 it (issue 33: one request per session, not one per lease).
 
-One standalone server is started here (``tests/zookeeper.py``, Debian's zookeeper package)
+One standalone server is started here (``tests/support/zookeeper.py``, Debian's zookeeper package)
 unless ``--hosts`` names one (its first host is asked for ``cons``).
 
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/zk_holding.py [--counts 10,100,1000]
@@ -34,7 +34,7 @@ from kazoo.client import KazooClient
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from tests.zookeeper import four_letter, skip_reason, standalone
+from tests.support.zookeeper import four_letter, skip_reason, standalone
 
 
 def received(port: int, sid: int) -> int:

@@ -3,7 +3,7 @@
 A public name is one in ``celery_dlock.__all__``. The build fails when one has no docstring
 (read statically by griffe, as mkdocstrings reads it: a module, class or function docstring, or
 the ``#:`` comment / string literal that documents a module attribute) or no ``:::`` entry in
-docs/api.md. tests/test_docs_reference.py runs the same check without building the site.
+docs/api.md. tests/project/test_docs_reference.py runs the same check without building the site.
 """
 
 from __future__ import annotations

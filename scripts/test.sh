@@ -20,7 +20,8 @@ if ! command -v faketime >/dev/null 2>&1; then
     fi
 fi
 # ZooKeeper (Debian's zookeeper package, OpenJDK) for the ZooKeeper backend's tests; its
-# jar is what tests/zookeeper.py starts. Installed here, once, not by the two pytest processes.
+# jar is what tests/support/zookeeper.py starts. Installed here, once, not by the two pytest
+# processes.
 if [ ! -e /usr/share/java/zookeeper.jar ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "== installing zookeeper (Debian package) for the ZooKeeper backend's tests"
@@ -33,8 +34,8 @@ if [ ! -e /usr/share/java/zookeeper.jar ]; then
     fi
 fi
 # RabbitMQ (Debian's rabbitmq-server package, Erlang) for the broker-dependent rows of the
-# exit-path matrix; tests/rabbitmq.py starts a private broker per test process. The package's
-# own service is neither started nor needed (no systemd here; policy-rc.d may refuse it).
+# exit-path matrix; tests/support/rabbitmq.py starts a private broker per test process. The
+# package's own service is neither started nor needed (no systemd here; policy-rc.d may refuse it).
 if [ ! -e /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "== installing rabbitmq-server (Debian package) for the RabbitMQ broker tests"
@@ -80,4 +81,4 @@ fi
 # The floor is the one pyproject.toml declares: a change of one without the other fails here.
 floor="$(sed -n 's/^    "redis>=\([0-9.]*\)",$/\1/p' pyproject.toml)"
 "$old/bin/python" -c "import redis, sys; v = redis.__version__; sys.exit(0 if v.startswith('$floor') else f'redis-py {v} here, but pyproject.toml says redis>=$floor: make them agree')"
-"$old/bin/python" -m pytest -q tests/test_beat_ticks.py tests/test_lock.py -k "not zookeeper"
+"$old/bin/python" -m pytest -q tests/celery/test_beat_ticks.py tests/core/test_lock.py -k "not zookeeper"

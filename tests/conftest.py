@@ -16,9 +16,9 @@ import pytest
 
 from celery_dlock.renewal import watchdog
 from celery_dlock.testing import RedisServer, redis_servers
-from tests.clients import client, close_all
+from tests.support.clients import client, close_all
 
-pytest_plugins = ("tests.celery_fixtures", "tests.compat_fixtures")
+pytest_plugins = ("tests.support.celery_fixtures", "tests.support.compat_fixtures")
 
 EXTERNAL = [u for u in os.environ.get("DLOCK_TEST_REDIS_URLS", "").split(",") if u.strip()]
 
@@ -45,8 +45,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Drop the modes a module did not ask for (see ``MODES``) and the parameter combinations
     its ``KEEP(params)``, if it has one, refuses; skip, on ZooKeeper, the tests
     marked ``redis_only(reason)`` and those needing queued locks (``queued_locks``) until
-    the ZooKeeper backend has them (``tests.zookeeper.QUEUED_LOCKS``)."""
-    from tests.zookeeper import QUEUED_LOCKS, QUEUED_REASON
+    the ZooKeeper backend has them (``tests.support.zookeeper.QUEUED_LOCKS``)."""
+    from tests.support.zookeeper import QUEUED_LOCKS, QUEUED_REASON
 
     kept: list[pytest.Item] = []
     dropped: list[pytest.Item] = []
@@ -116,7 +116,7 @@ def redlock_urls(redlock_session_urls: list[str]) -> list[str]:
 @pytest.fixture(scope="session")
 def zookeeper_session_url() -> Iterator[str]:
     """A standalone ZooKeeper server of this test process (skips, saying why, without one)."""
-    from tests.zookeeper import CHROOT, skip_reason, standalone
+    from tests.support.zookeeper import CHROOT, skip_reason, standalone
 
     reason = skip_reason()
     if reason is not None:
@@ -132,7 +132,7 @@ def zookeeper_session_url() -> Iterator[str]:
 def rabbitmq_url() -> Iterator[str]:
     """The Celery broker URL of a RabbitMQ server of this test process (``amqp://``), started
     on first use and stopped at the end of the session; skips, saying why, without one."""
-    from tests.rabbitmq import rabbitmq, skip_reason
+    from tests.support.rabbitmq import rabbitmq, skip_reason
 
     reason = skip_reason()
     if reason is not None:
@@ -145,7 +145,7 @@ def rabbitmq_url() -> Iterator[str]:
 def zookeeper_urls(zookeeper_session_url: str) -> list[str]:
     """The ZooKeeper lock store, emptied before the test."""
     from celery_dlock.zookeeper import parse
-    from tests.zookeeper import wipe
+    from tests.support.zookeeper import wipe
 
     url = parse(zookeeper_session_url)
     wipe(url.connect_string, url.chroot)
@@ -185,7 +185,7 @@ def _close_clients() -> Iterator[None]:
 def _close_zookeeper_clients() -> Iterator[None]:
     """Close this process's ZooKeeper clients after each module: a connected kazoo client
     draws from the global ``random`` on every loop of its connection thread, which makes
-    hypothesis (tests/test_wire_keys.py) report flaky data generation in a later module."""
+    hypothesis (tests/celery/test_wire_keys.py) report flaky data generation in a later module."""
     yield
     zookeeper = sys.modules.get("celery_dlock.zookeeper")
     if zookeeper is not None:
