@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError, SingletonTask, lock
-from celery_dlock.keys import LONG_KEY, KeyBuilder
+from celery_dlock.celery.keys import LONG_KEY, KeyBuilder
 
 
 def make_app(urls: list[str] | None = None) -> Celery:

@@ -195,7 +195,7 @@ _JSON_LEAF = (
 def test_the_key_encoder_writes_what_json_dumps_writes(value: Any) -> None:
     # keys._dumps calls json's C encoder directly (made once); a key must stay the same
     # string the documented encoding gives, or keys change across versions.
-    from celery_dlock import keys
+    from celery_dlock.celery import keys
 
     expected = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert keys._dumps(value) == expected

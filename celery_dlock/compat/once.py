@@ -19,7 +19,8 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.backend import Backend
+from celery_dlock.celery.headers import HEADER_QUEUED
+from celery_dlock.celery.task import PEER_OPTIONS
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,
@@ -28,11 +29,10 @@ from celery_dlock.compat.peer import (
     give_back_own,
     held_by_own_id,
 )
-from celery_dlock.config import check_seconds, settings_from_app
-from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.headers import HEADER_QUEUED
-from celery_dlock.registry import manager_for, manager_for_settings
-from celery_dlock.task import PEER_OPTIONS
+from celery_dlock.core.backend import Backend
+from celery_dlock.core.config import check_seconds, settings_from_app
+from celery_dlock.core.errors import ConfigError, LockContended, LockUnavailable
+from celery_dlock.core.registry import manager_for, manager_for_settings
 
 #: celery-once's Redis backend, under the names it can be given by.
 _REDIS_BACKENDS = ("celery_once.backends.Redis", "celery_once.backends.redis.Redis")
