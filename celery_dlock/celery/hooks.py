@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import celery.app.utils
 from celery.platforms import EX_FAILURE
@@ -60,6 +60,9 @@ from celery_dlock.core.config import backend_module, redact
 from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.renewal import watchdog
 from celery_dlock.ops import admin
+
+if TYPE_CHECKING:
+    from celery_dlock.core.backend import Backend
 
 log = logging.getLogger("celery_dlock.release")
 # Named for where it logs (at worker start); docs/operations.md lists it under this name.
@@ -106,20 +109,17 @@ def _release_when_ended(manager: Any, key: str, task_id: str, what: str) -> None
         log.info("%s: %r is held by pid %d, not a process of this worker", what, key, holder.pid)
 
 
-def _withdraw_when_ended(manager: Any, key: str, task_id: str, what: str) -> None:
+def _withdraw_when_ended(manager: Backend, key: str, task_id: str, what: str) -> None:
     """Take ``task_id``'s place in line for ``key`` away once its process ended, on a backend
     whose waiters have places (ZooKeeper: a killed waiter's node would otherwise hold up every
     waiter behind it until its session expires; a Redis waiter leaves nothing behind)."""
-    queue = getattr(manager, "queue", None)
-    if queue is None:
-        return
-    for waiter in queue(key)[1:]:
+    for waiter in manager.line(key)[1:]:
         if waiter.task_id == task_id and not waiter.queued and waiter.host == socket.gethostname():
             children.release_when_ended(manager, key, waiter, what, still_there=_in_line)
 
 
-def _in_line(manager: Any, key: str, nonce: str) -> bool:
-    return any(h.nonce == nonce for h in manager.queue(key))
+def _in_line(manager: Backend, key: str, nonce: str) -> bool:
+    return any(h.nonce == nonce for h in manager.line(key))
 
 
 @before_task_publish.connect

@@ -2,8 +2,8 @@
 
 :class:`Backend` lists what the lease core, :func:`celery_dlock.lock`, ``SingletonTask``, beat,
 the operator functions (:mod:`celery_dlock.ops.admin`, ``celery dlock``) and the compat layers call.
-Today's only implementation is :class:`celery_dlock.backends.redis.redlock.LockManager` (one Redis,
-a Redis Cluster, or Redlock over N masters); another (ZooKeeper) must keep the same promises:
+Each backend under :mod:`celery_dlock.backends` implements it (Redis: one server, a Cluster, or
+Redlock over N masters; ZooKeeper; the in-process one for tests) and keeps these promises:
 
 **Fencing.** Every lease carries a fencing token (:attr:`Lease.token`, an int) strictly greater
 than every token handed out earlier for the same key, for as long as the key's history is kept
@@ -84,6 +84,19 @@ class Backend(LeaseBackend, Protocol):
     #: acquisition others can see is decided (one Redis, ZooKeeper). Enqueue-time duplicates
     #: merge into a younger queued holder only once it has settled.
     settle_time: float
+
+    #: False where a lock has no ttl and lasts as long as its holder's session (ZooKeeper):
+    #: an operator's listing then shows no time left for it.
+    expires: bool
+
+    #: True where a holder watches its lock and learns of a forced release at once
+    #: (ZooKeeper), rather than at its next renewal.
+    release_seen_at_once: bool
+
+    #: True where a free key's fencing counter is kept (``dlock_fence_retention``), so an
+    #: operator can read the last token issued; False where a key's tokens start afresh from
+    #: its parent node's creation time and nothing is kept for a free key (ZooKeeper).
+    keeps_free_fence: bool
 
     # -- acquire -----------------------------------------------------------------------------
 
@@ -182,8 +195,18 @@ class Backend(LeaseBackend, Protocol):
         """Force-release every key starting with ``prefix``; the keys released."""
         ...
 
+    def line(self, key: str) -> list[Holder]:
+        """The holder and every waiter of ``key`` that has a place in line, in the order they
+        will hold it; empty where a waiter leaves nothing in the store (Redis, in-process): a
+        killed waiter then needs no withdrawing."""
+        ...
+
     def endpoints(self) -> list[str]:
         """Where the store is: one line per node, credentials hidden."""
+        ...
+
+    def describe(self) -> str:
+        """Where the store is, in one line for operators (its kind and its endpoints)."""
         ...
 
     def check(self) -> list[tuple[str, str | None]]:

@@ -92,9 +92,6 @@ class Lease:
         self.renewals = 0
         #: Set when the lease's node announced a new master: renew again at once.
         self.hurried = False
-        #: The backend's record of where a command for this lease went unanswered (for Redis:
-        #: indices of nodes that may still run it late, so the release owes them a void).
-        self._silent: frozenset[int] | None = None
 
     # -- state -----------------------------------------------------------------------------
 
@@ -140,7 +137,7 @@ class Lease:
             return f"its validity ran out (ttl {self.ttl:g} s, not renewed)"
         return (
             "its validity ran out on the monotonic clock before a renewal succeeded "
-            "(process paused, or Redis unreachable)"
+            "(process paused, or the lock store unreachable)"
         )
 
     def ensure(self) -> None:

@@ -39,7 +39,7 @@ from celery_dlock.core.registry import backend_for
 from celery_dlock.ops import admin
 
 if TYPE_CHECKING:
-    from celery_dlock.core.backend import Backend
+    pass
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -130,23 +130,8 @@ def _print_table(ctx: click.Context, rows: list[dict[str, Any]]) -> None:
         ctx.obj.echo("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
 
 
-def _on_zookeeper(backend: Backend) -> bool:
-    """Whether ``backend`` is a ZooKeeper ensemble: its locks have no ttl (they last as long
-    as the holder's session) and no fencing counter is kept for a free key (a key's tokens
-    start from its parent node's creation time, see celery_dlock.backends.zookeeper.fencing)."""
-    return any(url.startswith("zookeeper://") for url in backend.endpoints())
-
-
-#: What a held lock's missing ``ttl_left`` means on ZooKeeper.
+#: What a held lock's missing ``ttl_left`` means where locks do not expire (ZooKeeper).
 NO_TTL = "no expiry: held for as long as its holder's ZooKeeper session lives"
-
-
-def _where(backend: Backend) -> str:
-    urls = backend.endpoints()
-    if _on_zookeeper(backend):
-        servers = "server" if len(urls) == 1 else f"ensemble of {len(urls)} servers"
-        return f"ZooKeeper {servers}: {', '.join(urls)}"
-    return urls[0] if len(urls) == 1 else f"Redlock over {len(urls)} nodes: {', '.join(urls)}"
 
 
 @click.group(name="dlock")
@@ -172,9 +157,9 @@ def list_(ctx: click.Context, prefix: str, as_json: bool) -> None:
             ctx.obj.echo(json.dumps(row))
         return
     backend = backend_for(_app(ctx))
-    ctx.obj.echo(f"locks on {printable(_where(backend))}:")
+    ctx.obj.echo(f"locks on {printable(backend.describe())}:")
     _print_table(ctx, rows)
-    if rows and _on_zookeeper(backend):
+    if rows and not backend.expires:
         ctx.obj.echo(f"ttl_left -: {NO_TTL}")
     for row in rows:
         if row.get("note"):
@@ -195,11 +180,11 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         if info.holder is None:
             ctx.exit(1)
         return
-    zookeeper = _on_zookeeper(backend_for(_app(ctx)))
+    backend = backend_for(_app(ctx))
     if info.holder is None:
         if info.note is not None:
             ctx.obj.echo(printable(f"{key!r} is {info.note}"))
-        elif zookeeper:  # no counter is kept for a free key (its parent node goes)
+        elif not backend.keeps_free_fence:
             ctx.obj.echo(f"{key!r} is not held")
         elif info.fence is None:
             ctx.obj.echo(f"{key!r} is not held, and no fencing token was ever issued for it")
@@ -207,7 +192,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
             ctx.obj.echo(f"{key!r} is not held; the last fencing token issued was {info.fence}")
         ctx.exit(1)  # like `test -e`: a script can tell a held lock from a free one
     for name, value in row.items():
-        if name == "ttl_left" and value is None and zookeeper:
+        if name == "ttl_left" and value is None and not backend.expires:
             ctx.obj.echo(f"{name:9} - ({NO_TTL})")
         elif name != "held":
             ctx.obj.echo(f"{name:9} {'-' if value is None else printable(str(value))}")
@@ -247,7 +232,7 @@ def release(ctx: click.Context, key: str, yes: bool, as_json: bool) -> None:
                 "its result naming that call)"
             )
         )
-    elif released and _on_zookeeper(backend_for(_app(ctx))):
+    elif released and backend_for(_app(ctx)).release_seen_at_once:
         ctx.obj.echo(
             printable(f"released {key!r}; its holder is told at once (it watches its lock node)")
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery_dlock.backends.memory.lock import MemoryBackend
 from celery_dlock.backends.memory.store import Store, store
+from celery_dlock.core.backend import Backend
 from celery_dlock.core.config import Settings, redact
 from celery_dlock.core.errors import ConfigError
 
@@ -51,7 +52,7 @@ def check_urls(urls: Sequence[str], setting: str = "dlock_urls") -> tuple[str, .
     return tuple(urls)
 
 
-def make_backend(settings: Settings) -> MemoryBackend:
+def make_backend(settings: Settings) -> Backend:
     """The in-process backend for settings whose URL :func:`check_urls` accepted."""
     return MemoryBackend(settings, store(table_name(settings.urls[0])))
 

@@ -56,6 +56,10 @@ class MemoryBackend:
 
     #: An acquisition others can see is decided: never undone (see Backend.settle_time).
     settle_time = 0.0
+    #: A lock expires ttl after its last renewal; a forced release is seen at the next one.
+    expires = True
+    release_seen_at_once = False
+    keeps_free_fence = True
 
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
@@ -341,6 +345,14 @@ class MemoryBackend:
         owner = self.store.owner
         where = f"pid {owner}" if owner is not None else f"pid {os.getpid()}, unused yet"
         return [f"{self.store.url} (in-process, {where})"]
+
+    def describe(self) -> str:
+        """The table's URL and the process that holds it."""
+        return self.endpoints()[0]
+
+    def line(self, key: str) -> list[Holder]:
+        """Empty: a waiter is a thread of this process and leaves nothing in the table."""
+        return []
 
     def check(self) -> list[tuple[str, str | None]]:
         """The table answers in the process that owns it; elsewhere it is only a copy."""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from celery_dlock.backends.redis import endpoints
 from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.core.backend import Backend
 from celery_dlock.core.config import DLockConfigWarning, Settings, quorum, redact
 from celery_dlock.core.errors import ConfigError
 
@@ -62,6 +63,6 @@ def check_urls(urls: Sequence[str], setting: str = "dlock_urls") -> tuple[str, .
     return tuple(urls)
 
 
-def make_backend(settings: Settings) -> LockManager:
+def make_backend(settings: Settings) -> Backend:
     """The Redis backend for settings whose URLs :func:`check_urls` accepted."""
     return LockManager(settings)

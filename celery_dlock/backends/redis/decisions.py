@@ -20,9 +20,19 @@ from redis.exceptions import ResponseError
 from celery_dlock.backends.redis.nodes import Reply
 from celery_dlock.backends.redis.transport import unsent
 from celery_dlock.core.holder import Holder, parse_value
+from celery_dlock.core.lease import Lease
 
 # Extend-script codes (see scripts.EXTEND).
 EXTENDED, ABSENT, RETAKEN, TAKEN, REVOKED = 1, 0, 2, 3, 4
+
+
+class RedisLease(Lease):
+    """A lease of the Redis backend, which also records where a command for it went unanswered."""
+
+    #: Indices of the nodes that did not answer the acquire or a renewal of this lease and may
+    #: still run it late (stalled, not dead), so the release owes them a void; None while every
+    #: node answered. A class default: set on the instance only when a node was silent.
+    _silent: frozenset[int] | None = None
 
 
 class Identity(NamedTuple):

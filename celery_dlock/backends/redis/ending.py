@@ -66,7 +66,8 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
             return False
         watchdog.discard(lease)
         until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
-        owed = [m.nodes[i] for i in lease._silent] if lease._silent else []
+        silent = lease._silent if isinstance(lease, decisions.RedisLease) else None
+        owed = [m.nodes[i] for i in silent] if silent else []
         if not wait:
             head = lease.head
             ttl_ms = ms(lease.ttl)

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from celery_dlock.backends.redis import decisions, ending, inspection, nodes, renewing
 from celery_dlock.backends.redis.cluster import node_for
-from celery_dlock.backends.redis.decisions import Refusal, ms
+from celery_dlock.backends.redis.decisions import RedisLease, Refusal, ms
 from celery_dlock.backends.redis.diagnose import describe
 from celery_dlock.backends.redis.ending import void_key, waiting_key
 from celery_dlock.backends.redis.janitor import LATE_LIMIT, janitor
@@ -91,6 +91,11 @@ class _Request(NamedTuple):
 
 class LockManager:
     """Acquire, renew and release leases on the nodes of one :class:`Settings`."""
+
+    #: A lock expires ttl after its last renewal; a forced release is seen at the next one.
+    expires = True
+    release_seen_at_once = False
+    keeps_free_fence = True
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -442,7 +447,7 @@ class LockManager:
             if not isinstance(reply, BaseException) and reply[0] == 1:
                 deadline = started + ttl - drift(ttl, self.settings.drift_factor)
                 if deadline > time.monotonic():
-                    return Lease(
+                    return RedisLease(
                         self,
                         request.key,
                         int(reply[1]),
@@ -467,7 +472,7 @@ class LockManager:
             else:
                 deadline = started + ttl - drift(ttl, self.settings.drift_factor)
                 if deadline > time.monotonic():
-                    lease = Lease(
+                    lease = RedisLease(
                         self,
                         request.key,
                         token,
@@ -667,6 +672,15 @@ class LockManager:
     def endpoints(self) -> list[str]:
         """Each node's URL, passwords hidden."""
         return inspection.endpoints(self)
+
+    def describe(self) -> str:
+        """The node, or Redlock and its nodes."""
+        urls = self.endpoints()
+        return urls[0] if len(urls) == 1 else f"Redlock over {len(urls)} nodes: {', '.join(urls)}"
+
+    def line(self, key: str) -> list[Holder]:
+        """Empty: a waiter blocks on the key's signal list and leaves nothing behind."""
+        return []
 
     def check(self) -> list[tuple[str, str | None]]:
         """``(url, error)`` per node: error None where a lock script ran, else why not."""

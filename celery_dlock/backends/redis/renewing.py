@@ -72,7 +72,8 @@ def renew_batch(m: RedisNodes, leases: Sequence[Lease]) -> list[str | None]:
     silent = decisions.silent(replies) if failed else None
     if silent:  # a late renewal there could re-take a released key: the release voids it
         for lease in leases:
-            lease._silent = silent if lease._silent is None else lease._silent | silent
+            if isinstance(lease, decisions.RedisLease):
+                lease._silent = silent if lease._silent is None else lease._silent | silent
     if failed:
         log_renew.warning(
             "renewal: %d of %d node(s) did not answer: %s: %s",

@@ -20,6 +20,7 @@ from celery_dlock.backends.zookeeper.lease import ZkLease
 from celery_dlock.backends.zookeeper.lock import ZooKeeperBackend
 from celery_dlock.backends.zookeeper.session import close_all
 from celery_dlock.backends.zookeeper.url import ZkUrl, is_zookeeper, parse
+from celery_dlock.core.backend import Backend
 from celery_dlock.core.config import Settings, redact
 from celery_dlock.core.errors import ConfigError
 
@@ -49,6 +50,6 @@ def check_urls(urls: Sequence[str], setting: str = "dlock_urls") -> tuple[str, .
     return tuple(urls)
 
 
-def make_backend(settings: Settings) -> ZooKeeperBackend:
+def make_backend(settings: Settings) -> Backend:
     """The ZooKeeper backend for settings whose URL :func:`check_urls` accepted."""
     return ZooKeeperBackend(settings)

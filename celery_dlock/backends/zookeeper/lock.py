@@ -51,6 +51,12 @@ class ZooKeeperBackend:
 
     #: An acquisition others can read is decided: never undone (see Backend.settle_time).
     settle_time = 0.0
+    #: A lock lasts as long as its holder's session, with no ttl (see Backend.expires).
+    expires = False
+    #: A holder watches its own node: a forced release reaches it at once.
+    release_seen_at_once = True
+    #: A free key's parent node goes, and its tokens with it (see Backend.keeps_free_fence).
+    keeps_free_fence = False
 
     def __init__(
         self,
@@ -205,6 +211,10 @@ class ZooKeeperBackend:
         """The holder and every waiter of ``key``, in the order they will hold it."""
         return inspection.queue(self.space, key)
 
+    def line(self, key: str) -> list[Holder]:
+        """:meth:`queue`: every waiter has a node, a place in line (Backend.line)."""
+        return inspection.queue(self.space, key)
+
     def locks(self, prefix: str = "") -> list[LockInfo]:
         """Every key starting with ``prefix`` that has a parent node (free keys included)."""
         return inspection.locks(self.space, prefix)
@@ -232,6 +242,12 @@ class ZooKeeperBackend:
     def endpoints(self) -> list[str]:
         """One line per server of the ensemble, credentials hidden, with the chroot."""
         return inspection.endpoints(self.url, self.base)
+
+    def describe(self) -> str:
+        """The ensemble and its servers."""
+        urls = self.endpoints()
+        servers = "server" if len(urls) == 1 else f"ensemble of {len(urls)} servers"
+        return f"ZooKeeper {servers}: {', '.join(urls)}"
 
     def check(self) -> list[tuple[str, str | None]]:
         """Whether each server serves clients: ``(endpoint, error)``, None when it does."""
