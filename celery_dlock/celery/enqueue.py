@@ -39,6 +39,7 @@ lock and runs once the key is free (:func:`_from_running_body`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -486,16 +487,11 @@ def _after_refusal(
         looks.revoked_checked = True
         manager.release_nonce(key, holder.nonce)
         return None
-    if (
-        holder.queued
-        and manager.settle_time
-        and _results_kept(task)
-        and not _settled(manager, holder)
-    ):
-        # Redlock: the holder's attempt may yet be undone (it missed a reply), and its task
-        # id then never published. Merge only into one confirmed to hold.
+    if holder.queued and manager.settle_time and _results_kept(task):
+        # The holder's attempt may yet be undone (Redlock: it missed a reply), and its task
+        # id then never published. Merge only into one the backend confirms.
         try:
-            confirmed = _confirm(task, manager, key, holder)
+            confirmed = manager.confirm_holder(key, holder, functools.partial(_ran, task))
         except LockUnavailable as exc:
             return _unlocked(task, task_id, exc)
         if not confirmed:
@@ -603,54 +599,6 @@ def _results_kept(task: Publisher) -> bool:
         return False
 
 
-def _settled(manager: Backend, holder: Holder) -> bool:
-    """Whether ``holder``'s acquisition is older than its acquirer's time to undo it."""
-    return time.time() - holder.since >= manager.settle_time
-
-
-def _confirm(task: Publisher, manager: Backend, key: str, holder: Holder) -> bool:
-    """Whether a duplicate may merge into ``holder``, a queued lock that has not settled.
-
-    Reads ``key`` until the holder settles: True once its task holds the key settled or
-    executing (its message was published), holds it queued but ran already (a run's key
-    handed over to its retry's message), or no longer holds it but ran (its result backend
-    state leaves PENDING by the time it would have settled, or within ``settle_time`` of
-    when it was seen gone); False when it let the key go without running (its attempt was
-    undone: look again), or a newer attempt of its task holds it, not settled yet. Raises
-    :class:`LockUnavailable` without a quorum.
-    """
-    # On the holder's wall clock, but never more than settle_time from now (clocks differ).
-    until = min(holder.since, time.time()) + manager.settle_time
-    gone_until: float | None = None
-    while True:
-        now = manager.holder(key)
-        mine = now if now is not None and now.task_id == holder.task_id else None
-        if mine is not None and not mine.queued:  # its execution holds the key: published
-            return True
-        # Its state left PENDING: it ran. Also when its key is queued again (a run handed it
-        # over to its retry's message, a value written just then, so not settled either).
-        if _ran(task, holder.task_id):
-            return True
-        if mine is not None:
-            if mine.nonce != holder.nonce:  # the same task, another attempt: settle that one
-                return False
-            if time.time() >= until:
-                return True
-            # Still the same queued acquisition, not settled yet: its acquirer may undo it.
-            wait_until = until
-        else:
-            # Gone, or another task's, or no majority for one value (a read in the middle of
-            # the worker's take-over). The key is read again too, so an execution seen holding
-            # it confirms at once, not when its run ends (a task's state stays PENDING while
-            # it runs unless it tracks STARTED).
-            if gone_until is None:
-                gone_until = max(until, time.time() + manager.settle_time)
-            if time.time() >= gone_until:
-                return False
-            wait_until = gone_until
-        time.sleep(max(0.0, min(CONFIRM_POLL, wait_until - time.time())))
-
-
 def _ran(task: Publisher, task_id: str | None) -> bool:
     """Whether the result backend has heard of ``task_id`` (it was published and ran)."""
     if task_id is None:
@@ -662,8 +610,6 @@ def _ran(task: Publisher, task_id: str | None) -> bool:
     return state not in (states.PENDING, states.REVOKED)
 
 
-#: Seconds between reads of a queued holder that has not settled (Redlock, :func:`_confirm`).
-CONFIRM_POLL = 0.05
 #: Holders that had not settled and went away (undone) before a duplicate publishes without
 #: its queued lock (each try waits at most ``settle_time``, twice that for a holder seen gone).
 CONFIRM_TRIES = 3

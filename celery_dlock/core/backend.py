@@ -44,7 +44,7 @@ master) calls :meth:`celery_dlock.core.renewal.Watchdog.hurry`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from celery_dlock.core.config import Settings
@@ -145,6 +145,16 @@ class Backend(LeaseBackend, Protocol):
         ...
 
     # -- end a lease -------------------------------------------------------------------------
+
+    def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
+        """Whether a duplicate may merge into ``holder``, a queued lock just read from ``key``:
+        True at once where an acquisition others can read is decided (:attr:`settle_time` 0,
+        or ``holder`` older than it). Otherwise (Redlock) read ``key`` until the holder can no
+        longer be undone: True once its task holds the key, executing or settled, or has run
+        (``ran(task_id)``: its result state left PENDING); False when it let the key go
+        without running (its attempt was undone: look again), or a newer attempt of its task
+        holds it, not settled yet. Raises :class:`LockUnavailable` without a quorum."""
+        ...
 
     def release(self, lease: Lease, *, wait: bool = True) -> bool:
         """Give the lease back; True if the store confirmed. Idempotent; never raises for an

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError, ResponseError
@@ -606,6 +606,43 @@ class LockManager:
 
     # -- release ---------------------------------------------------------------------------
 
+    def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
+        """See :meth:`celery_dlock.core.backend.Backend.confirm_holder`: on Redlock, an attempt
+        that took a majority can miss a reply, see none, and undo itself within
+        :attr:`settle_time` of writing its value, and its task id is then never published."""
+        # On the holder's wall clock, but never more than settle_time from now (clocks differ).
+        if time.time() - holder.since >= self.settle_time:
+            return True
+        until = min(holder.since, time.time()) + self.settle_time
+        gone_until: float | None = None
+        while True:
+            now = self.holder(key)
+            mine = now if now is not None and now.task_id == holder.task_id else None
+            if mine is not None and not mine.queued:  # its execution holds the key: published
+                return True
+            # Its state left PENDING: it ran. Also when its key is queued again (a run handed it
+            # over to its retry's message, a value written just then, so not settled either).
+            if ran(holder.task_id):
+                return True
+            if mine is not None:
+                if mine.nonce != holder.nonce:  # the same task, another attempt: confirm that one
+                    return False
+                if time.time() >= until:
+                    return True
+                # Still the same queued acquisition, not settled yet: its acquirer may undo it.
+                wait_until = until
+            else:
+                # Gone, or another task's, or no majority for one value (a read in the middle of
+                # the worker's take-over). The key is read again too, so an execution seen
+                # holding it confirms at once, not when its run ends (a task's state stays
+                # PENDING while it runs unless it tracks STARTED).
+                if gone_until is None:
+                    gone_until = max(until, time.time() + self.settle_time)
+                if time.time() >= gone_until:
+                    return False
+                wait_until = gone_until
+            time.sleep(max(0.0, min(CONFIRM_POLL, wait_until - time.time())))
+
     def release(self, lease: Lease, *, wait: bool = True) -> bool:
         """Delete the lease's key on every node; True if a quorum confirmed.
 
@@ -696,6 +733,10 @@ class LockManager:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+#: Seconds between reads of a queued holder not settled yet (:meth:`LockManager.confirm_holder`).
+CONFIRM_POLL = 0.05
 
 
 class PendingAcquire:

@@ -19,7 +19,7 @@ from the bottom up (an import-linter contract in pyproject.toml keeps them so):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_dlock.backends.zookeeper import holding, inspection, timed
@@ -177,6 +177,10 @@ class ZooKeeperBackend:
         return Pending(self, self.space, attempt)
 
     # -- hold and end a lease ----------------------------------------------------------------
+
+    def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
+        """True: an acquisition others can read is decided, never undone (settle_time 0)."""
+        return True
 
     def release(self, lease: Lease, *, wait: bool = True) -> bool:
         """Delete the lease's node (:func:`celery_dlock.backends.zookeeper.holding.release`)."""
