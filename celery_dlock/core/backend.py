@@ -62,11 +62,6 @@ class PendingLease(Protocol):
         """The random nonce of the acquisition sent (whether or not it took the key)."""
         ...
 
-    @property
-    def token(self) -> str:
-        """Older name of :attr:`nonce`."""
-        ...
-
     def finish(self) -> Lease:
         """Read the reply: the lease, or raise :class:`LockContended` / :class:`LockUnavailable`."""
         ...

@@ -185,10 +185,6 @@ def head_nonce(head: str) -> str:
     return head[start : head.index('"', start)]
 
 
-#: Older name of :func:`head_nonce`.
-head_token = head_nonce
-
-
 @dataclass(frozen=True)
 class LockInfo:
     """One key as a majority of nodes sees it (``celery_dlock.ops.admin``, the operator command)."""

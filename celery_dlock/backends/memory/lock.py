@@ -306,8 +306,7 @@ class MemoryBackend:
         """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition."""
         return self.store.delete(self._name(check_key(key)), task_id=task_id)
 
-    #: Older names (the other backends keep them too).
-    release_token = release_nonce
+    #: Older name of :meth:`release_by_task`, still called by existing code.
     release_by_holder = release_by_task
 
     # -- operators ---------------------------------------------------------------------------

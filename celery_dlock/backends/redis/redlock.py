@@ -667,7 +667,7 @@ class LockManager:
         one-shot keys); True if deleted on a quorum. See :func:`.ending.release_by_task`."""
         return ending.release_by_task(self, key, task_id)
 
-    #: Older name of :meth:`release_by_task`.
+    #: Older name of :meth:`release_by_task`, still called by existing code.
     release_by_holder = release_by_task
 
     def release_nonce(self, key: str, nonce: str) -> bool:
@@ -763,11 +763,6 @@ class PendingAcquire:
     def nonce(self) -> str:
         """The random nonce of the acquisition sent (whether or not it took the key)."""
         return head_nonce(self._head)
-
-    @property
-    def token(self) -> str:
-        """Older name of :attr:`nonce`."""
-        return self.nonce
 
     def finish(self) -> Lease:
         """Read the reply: the lease, or :class:`LockContended` / :class:`LockUnavailable`."""

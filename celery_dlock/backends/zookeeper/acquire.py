@@ -184,11 +184,6 @@ class Pending:
         """The random nonce of the acquisition sent (whether or not it took the key)."""
         return self._attempt.nonce
 
-    @property
-    def token(self) -> str:
-        """Older name of :attr:`nonce`."""
-        return self.nonce
-
     def finish(self) -> Lease:
         """Read the replies: the lease, or raise LockContended / LockUnavailable."""
         return finish(self._backend, self._space, self._attempt, 0.0, None, None, None)

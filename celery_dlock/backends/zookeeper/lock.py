@@ -235,8 +235,7 @@ class ZooKeeperBackend:
         """Delete ``key``'s node if task ``task_id`` holds it, whichever acquisition."""
         return inspection.release_by_task(self.space, key, task_id)
 
-    #: Older names (the Redis backend keeps them too).
-    release_token = release_nonce
+    #: Older name of :meth:`release_by_task`, still called by existing code.
     release_by_holder = release_by_task
 
     def purge(self, prefix: str) -> list[str]:
