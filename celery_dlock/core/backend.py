@@ -47,7 +47,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from celery_dlock.core.config import Settings
+from celery_dlock.core.config import (
+    Settings,
+    check_key,
+    check_renew_interval,
+    check_seconds,
+    check_ttl,
+)
+from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.holder import Holder, LockInfo
 from celery_dlock.core.lease import Lease, LeaseBackend, LostCallback
 
@@ -221,3 +228,85 @@ class Backend(LeaseBackend, Protocol):
     def close(self) -> None:
         """Close this backend's connections."""
         ...
+
+
+class BaseBackend:
+    """What the backends whose leases have a ttl (Redis, in-process) share above the seam:
+    :meth:`acquire`'s argument checks, then :meth:`acquire_checked`, which each implements.
+    (ZooKeeper checks its own: its leases last with the session, so it takes no renewal
+    interval and no fence retention.)"""
+
+    settings: Settings
+
+    def acquire(
+        self,
+        key: str,
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+        holder: str | None = None,
+        renew: bool = True,
+        renew_interval: float | None = None,
+        max_hold: float | None = None,
+        on_lost: LostCallback | None = None,
+        takeover: str | None = None,
+        queued: bool = False,
+        sender: Any = None,
+        fence_retention: float | None = None,
+    ) -> Lease:
+        """Take ``key`` for ``ttl`` seconds, renewed in the background until released.
+
+        ``wait=0`` raises :class:`LockContended` at once if the key is held; ``wait>0`` waits
+        in line up to that many seconds, woken by the holder's release; ``wait=None`` without
+        bound. Raises :class:`LockUnavailable` when too few nodes answer.
+
+        ``takeover`` (a task id) also succeeds when the key holds that task's *queued* lock;
+        ``queued=True`` writes such a lock (enqueue-time mode). ``sender`` is passed to the
+        signals (the task, when a task holds the lock). ``fence_retention`` (seconds) overrides
+        how long this key's fence counter is kept, for one-shot keys that need no history.
+        """
+        key = check_key(key)
+        factor = self.settings.drift_factor
+        ttl = self.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
+        interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
+        if wait is not None:
+            wait = check_seconds("wait", wait, allow_zero=True)
+        if max_hold is not None:
+            max_hold = check_seconds("max_hold", max_hold)
+        if fence_retention is not None:
+            fence_retention = check_seconds("fence_retention", fence_retention)
+        if holder is not None and not isinstance(holder, str):
+            raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
+        if takeover is not None and not isinstance(takeover, str):
+            raise ConfigError(f"takeover must be a str (a task id) or None, not {takeover!r}.")
+        return self.acquire_checked(
+            key,
+            ttl,
+            wait,
+            holder=holder,
+            interval=interval,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            takeover=takeover,
+            queued=queued,
+            sender=sender,
+            fence_retention=fence_retention,
+        )
+
+    def acquire_checked(
+        self,
+        key: str,
+        ttl: float,
+        wait: float | None,
+        *,
+        holder: str | None,
+        interval: float | None,
+        max_hold: float | None = None,
+        on_lost: LostCallback | None = None,
+        takeover: str | None = None,
+        queued: bool = False,
+        sender: Any = None,
+        fence_retention: float | None = None,
+    ) -> Lease:
+        """:meth:`acquire` for arguments already checked (a task checks its options once)."""
+        raise NotImplementedError

@@ -23,16 +23,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery_dlock.backends.memory.store import Refused, Store, Waiter
+from celery_dlock.core.backend import BaseBackend
 from celery_dlock.core.clock import real_clock
 from celery_dlock.core.config import (
     Settings,
     check_key,
-    check_renew_interval,
-    check_seconds,
-    check_ttl,
     drift,
 )
-from celery_dlock.core.errors import ConfigError, LockContended
+from celery_dlock.core.errors import LockContended
 from celery_dlock.core.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.core.lease import Lease, LostCallback
 from celery_dlock.core.renewal import watchdog
@@ -51,7 +49,7 @@ def _task_name(sender: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
-class MemoryBackend:
+class MemoryBackend(BaseBackend):
     """Acquire and release leases in this process's memory (a ``memory://`` URL)."""
 
     #: An acquisition others can see is decided: never undone (see Backend.settle_time).
@@ -74,53 +72,6 @@ class MemoryBackend:
         return f"{self.prefix}:{key}"
 
     # -- acquire ---------------------------------------------------------------------------
-
-    def acquire(
-        self,
-        key: str,
-        *,
-        ttl: float | None = None,
-        wait: float | None = 0.0,
-        holder: str | None = None,
-        renew: bool = True,
-        renew_interval: float | None = None,
-        max_hold: float | None = None,
-        on_lost: LostCallback | None = None,
-        takeover: str | None = None,
-        queued: bool = False,
-        sender: Any = None,
-        fence_retention: float | None = None,
-    ) -> Lease:
-        """Take ``key`` for ``ttl`` seconds, renewed by the watchdog until released:
-        ``wait=0`` raises :class:`LockContended` at once when it is held, ``wait=s`` waits
-        in line up to ``s`` seconds, ``wait=None`` without bound."""
-        key = check_key(key)
-        factor = self.settings.drift_factor
-        ttl = self.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
-        interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
-        if wait is not None:
-            wait = check_seconds("wait", wait, allow_zero=True)
-        if max_hold is not None:
-            max_hold = check_seconds("max_hold", max_hold)
-        if fence_retention is not None:
-            fence_retention = check_seconds("fence_retention", fence_retention)
-        if holder is not None and not isinstance(holder, str):
-            raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
-        if takeover is not None and not isinstance(takeover, str):
-            raise ConfigError(f"takeover must be a str (a task id) or None, not {takeover!r}.")
-        return self.acquire_checked(
-            key,
-            ttl,
-            wait,
-            holder=holder,
-            interval=interval,
-            max_hold=max_hold,
-            on_lost=on_lost,
-            takeover=takeover,
-            queued=queued,
-            sender=sender,
-            fence_retention=fence_retention,
-        )
 
     def acquire_checked(
         self,

@@ -45,13 +45,10 @@ from celery_dlock.backends.redis.owed import Deferred
 from celery_dlock.backends.redis.scripts import MAX_TOKEN
 from celery_dlock.backends.redis.sending import send_deferred
 from celery_dlock.backends.redis.transport import blocking_pop, run_script
+from celery_dlock.core.backend import BaseBackend
 from celery_dlock.core.clock import real_clock
 from celery_dlock.core.config import (
     Settings,
-    check_key,
-    check_renew_interval,
-    check_seconds,
-    check_ttl,
     drift,
     quorum,
 )
@@ -89,7 +86,7 @@ class _Request(NamedTuple):
     waits: bool = False  # a refusal will be waited on (it leaves the waiter marker)
 
 
-class LockManager:
+class LockManager(BaseBackend):
     """Acquire, renew and release leases on the nodes of one :class:`Settings`."""
 
     #: A lock expires ttl after its last renewal; a forced release is seen at the next one.
@@ -135,59 +132,6 @@ class LockManager:
         return base, base + ":fence", base + ":signal"
 
     # -- acquire ---------------------------------------------------------------------------
-
-    def acquire(
-        self,
-        key: str,
-        *,
-        ttl: float | None = None,
-        wait: float | None = 0.0,
-        holder: str | None = None,
-        renew: bool = True,
-        renew_interval: float | None = None,
-        max_hold: float | None = None,
-        on_lost: LostCallback | None = None,
-        takeover: str | None = None,
-        queued: bool = False,
-        sender: Any = None,
-        fence_retention: float | None = None,
-    ) -> Lease:
-        """Take ``key`` for ``ttl`` seconds, renewed in the background until released.
-
-        ``wait=0`` raises :class:`LockContended` at once if the key is held; ``wait>0`` blocks
-        up to that many seconds, woken by the holder's release; ``wait=None`` blocks without
-        bound. Raises :class:`LockUnavailable` when too few nodes answer.
-
-        ``takeover`` (a task id) also succeeds when the key holds that task's *queued* lock;
-        ``queued=True`` writes such a lock (enqueue-time mode). ``sender`` is passed to the
-        signals (the task, when a task holds the lock). ``fence_retention`` (seconds) overrides
-        how long this key's fence counter is kept, for one-shot keys that need no history.
-        """
-        key = check_key(key)
-        factor = self.settings.drift_factor
-        ttl = self.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
-        interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
-        if wait is not None:
-            wait = check_seconds("wait", wait, allow_zero=True)
-        if max_hold is not None:
-            max_hold = check_seconds("max_hold", max_hold)
-        if fence_retention is not None:
-            fence_retention = check_seconds("fence_retention", fence_retention)
-        if holder is not None and not isinstance(holder, str):
-            raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
-        return self.acquire_checked(
-            key,
-            ttl,
-            wait,
-            holder=holder,
-            interval=interval,
-            max_hold=max_hold,
-            on_lost=on_lost,
-            takeover=takeover,
-            queued=queued,
-            sender=sender,
-            fence_retention=fence_retention,
-        )
 
     def acquire_checked(
         self,
