@@ -19,9 +19,10 @@ import pytest
 
 from celery_dlock import LockContended, LockLost
 from celery_dlock.core.backend import Backend
-from celery_dlock.core.config import Settings, backend_module
+from celery_dlock.core.config import Settings
 from celery_dlock.core.holder import head_nonce
 from celery_dlock.core.lease import Lease
+from celery_dlock.core.urls import backend_module
 
 #: Every backend the suite runs on (docs/internals.md names them).
 STORES = ("memory", "single", "redlock5", "zookeeper")

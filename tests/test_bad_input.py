@@ -13,7 +13,8 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError, DLockConfigWarning, lock
-from celery_dlock.core.config import Settings, redact
+from celery_dlock.core.config import Settings
+from celery_dlock.core.urls import redact
 from tests.clients import client
 
 GOOD = ["redis://127.0.0.1:1/0"]

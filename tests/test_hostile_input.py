@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_dlock import ConfigError, lock
-from celery_dlock.core.config import Settings, redact
+from celery_dlock.core.config import Settings
+from celery_dlock.core.urls import redact
 from celery_dlock.testing import RedisServer
 from tests.celery_fixtures import with_db
 from tests.test_cli import dlock as dlock_cli
@@ -801,13 +802,13 @@ def test_a_misspelt_ssl_cert_reqs_is_a_config_error_naming_it(given: str, meant:
 def test_tls_warnings_read_options_as_redis_py_does(query: str) -> None:
     """redis-py decodes a query option's name and value (``ssl%5Fcert%5Freqs=%6Eone`` turns
     verification off): on 6005d89 neither spelling was warned of."""
-    from celery_dlock.core.config import tls_warnings
+    from celery_dlock.core.urls import tls_warnings
 
     assert len(tls_warnings([f"rediss://127.0.0.1:1/0?{query}"])) == 1
 
 
 def test_tls_warnings_cover_every_tls_scheme_and_option() -> None:
-    from celery_dlock.core.config import tls_warnings
+    from celery_dlock.core.urls import tls_warnings
 
     off = [
         "rediss://:pw@h:6380/0?ssl_cert_reqs=none",

@@ -25,9 +25,10 @@ from celery_dlock.backends.zookeeper import ZkLease, ZooKeeperBackend, close_all
 from celery_dlock.backends.zookeeper.acquire import renew_every
 from celery_dlock.backends.zookeeper.session import shared
 from celery_dlock.core.backend import Backend
-from celery_dlock.core.config import Settings, backend_module
+from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import ConfigError, LockContended, LockLost
 from celery_dlock.core.lease import Lease
+from celery_dlock.core.urls import backend_module
 from tests.zookeeper import Ensemble, FaultProxy, ZkServer, ensemble, skip_reason, standalone, until
 
 REASON = skip_reason()

@@ -29,8 +29,8 @@ from celery_dlock import lock
 from celery_dlock.backends.zookeeper import ZooKeeperBackend, close_all, parse
 from celery_dlock.backends.zookeeper.session import shared
 from celery_dlock.backends.zookeeper.url import ZkTls
-from celery_dlock.core.config import backend_module
 from celery_dlock.core.errors import ConfigError, LockUnavailable
+from celery_dlock.core.urls import backend_module
 from tests.zookeeper import (
     JAR,
     JAVA_OPTS,

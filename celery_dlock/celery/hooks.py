@@ -30,7 +30,7 @@ Connected when ``celery_dlock`` is imported, so they exist in the worker's paren
 Not a signal: Celery's own printing of the settings (``celery report``, the worker's answer to
 ``celery inspect conf``) hides a setting by its name (``PASS``, ``SECRET``, ``broker_url``,
 ``*backend*``); ``dlock_urls`` is none of those, so :func:`_hide_lock_passwords` has it
-shown through :func:`~celery_dlock.core.config.redact` too.
+shown through :func:`~celery_dlock.core.urls.redact` too.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from celery_dlock.celery.beat import Tick, current_tick, mark_send
 from celery_dlock.celery.enqueue import enqueue_app, lock_unlabelled, settle_early, take_early
 from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, REQUEUE_HEADERS
 from celery_dlock.celery.task import SingletonTask
-from celery_dlock.core.config import backend_module, redact
 from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.renewal import watchdog
+from celery_dlock.core.urls import backend_module, redact
 from celery_dlock.ops import admin
 
 if TYPE_CHECKING:

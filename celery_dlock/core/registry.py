@@ -2,7 +2,7 @@
 
 A backend owns the clients of one node set, so sharing it means ``lock()`` and every task
 reuse the same connections. Which backend serves a URL list is the URL scheme's choice
-(:func:`celery_dlock.core.config.backend_module`); this module imports none of them. An app's
+(:func:`celery_dlock.core.urls.backend_module`); this module imports none of them. An app's
 ``dlock_*`` settings are read once, on first use (after the app's configuration has loaded);
 :func:`forget` drops what was cached, for tests that reconfigure an app.
 """
@@ -15,8 +15,9 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_dlock.core.config import Settings, backend_module, check_urls, settings_from_app
+from celery_dlock.core.config import Settings, settings_from_app
 from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.urls import backend_module, check_urls
 
 if TYPE_CHECKING:
     from celery_dlock.core.backend import Backend

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 from celery.local import maybe_evaluate
 
-from celery_dlock.core.config import beat_settings, check_key, quorum, tls_warnings
+from celery_dlock.core.config import beat_settings, check_key, quorum
 from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.holder import Holder, LockInfo
 from celery_dlock.core.registry import backend_for
+from celery_dlock.core.urls import tls_warnings
 
 if TYPE_CHECKING:
     from celery_dlock.core.backend import Backend

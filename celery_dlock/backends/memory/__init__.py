@@ -18,8 +18,9 @@ from typing import Any
 from celery_dlock.backends.memory.lock import MemoryBackend
 from celery_dlock.backends.memory.store import Store, store
 from celery_dlock.core.backend import Backend
-from celery_dlock.core.config import Settings, redact
+from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.urls import redact
 
 __all__ = ["MemoryBackend", "Store", "check_urls", "check_worker", "make_backend", "store"]
 

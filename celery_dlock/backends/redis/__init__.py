@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from celery_dlock.backends.redis import endpoints
 from celery_dlock.backends.redis.redlock import LockManager
 from celery_dlock.core.backend import Backend
-from celery_dlock.core.config import DLockConfigWarning, Settings, quorum, redact
+from celery_dlock.core.config import DLockConfigWarning, Settings, quorum
 from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.urls import redact
 
 __all__ = ["LockManager", "check_urls", "make_backend"]
 

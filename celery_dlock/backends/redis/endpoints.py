@@ -27,14 +27,14 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from redis.connection import Connection, parse_url
 
-from celery_dlock.core.config import (
+from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.urls import (
     CERT_REQS,
     PERCENT_ENCODE,
     misread_userinfo,
     redact,
     secret_option,
 )
-from celery_dlock.core.errors import ConfigError
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")

@@ -23,9 +23,10 @@ from celery_dlock.backends.redis.decisions import ms
 from celery_dlock.backends.redis.diagnose import describe, refusal
 from celery_dlock.backends.redis.nodes import Node
 from celery_dlock.backends.redis.transport import run_script
-from celery_dlock.core.config import Settings, check_key, redact
+from celery_dlock.core.config import Settings, check_key
 from celery_dlock.core.errors import LockUnavailable
 from celery_dlock.core.holder import Holder, LockInfo, parse_value
+from celery_dlock.core.urls import redact
 
 log_release = logging.getLogger("celery_dlock.release")
 

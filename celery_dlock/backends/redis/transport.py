@@ -87,7 +87,7 @@ def run_script(
     """
     if len(nodes) == 1:
         node = nodes[0]
-        if node.cluster:  # a Cluster is always the only node (config.check_urls)
+        if node.cluster:  # a Cluster is always the only node (urls.check_urls)
             return [cast(Cluster, node).run(name, keys, args, timeout)]
         if not node.watched:
             return [_run_one(node, name, keys, args, timeout)]

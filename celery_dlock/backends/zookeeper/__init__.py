@@ -21,8 +21,9 @@ from celery_dlock.backends.zookeeper.lock import ZooKeeperBackend
 from celery_dlock.backends.zookeeper.session import close_all
 from celery_dlock.backends.zookeeper.url import ZkUrl, is_zookeeper, parse
 from celery_dlock.core.backend import Backend
-from celery_dlock.core.config import Settings, redact
+from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.urls import redact
 
 __all__ = [
     "ZkLease",

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
-from celery_dlock.core.config import PERCENT_ENCODE, misread_userinfo, redact
 from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.urls import PERCENT_ENCODE, misread_userinfo, redact
 
 SCHEME = "zookeeper"
 #: The same over TLS (as ``rediss://`` is ``redis://`` over TLS).
