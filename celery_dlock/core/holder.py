@@ -122,8 +122,9 @@ _process_part = _ProcessPart()
 class _Nonces:
     """Random acquisition nonces from ``secrets``, drawn 64 at a time.
 
-    Each ``os.urandom`` call is a system call (about 12 µs on a small VM, a tenth of a lock
-    cycle); one draw of 64 nonces' worth costs about the same. Every nonce is still 20 fresh
+    Each ``os.urandom`` call is a system call, a noticeable part of a lock cycle; one draw of
+    64 nonces' worth costs about the same as one nonce (benchmarks/README.md, "Figures behind
+    the code's constants"). Every nonce is still 20 fresh
     random bytes, used once; the stock is dropped after fork, so a child never repeats its
     parent's nonces.
     """

@@ -25,10 +25,10 @@ from celery_dlock.core.lease import Lease
 
 log_renew = logging.getLogger("celery_dlock.renew")
 
-#: Most leases one script call renews. A call holds its Redis node for its whole run (about
-#: 6-8 µs per lease on a 2-vCPU VM, Redis 6.2: 10,000 leases in one call held it 76-97 ms),
-#: so a process holding many leases renews them in calls of this many, one after another,
-#: and no call holds the node more than about 2 ms (benchmarks/scale.py, section renew).
+#: Most leases one script call renews. A call holds its Redis node for its whole run, in
+#: proportion to its leases, so a process holding many leases renews them in calls of this
+#: many, one after another, and no call holds the node long (the measured figures:
+#: benchmarks/README.md, "Figures behind the code's constants").
 BATCH = 200
 
 
