@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 from celery_dlock.core import forks
 from celery_dlock.core.background import background
 from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.signals import lock_acquired, lock_lost
 
 if TYPE_CHECKING:
-    from celery_dlock.core.lease import Lease, LeaseBackend
+    from celery_dlock.core.lease import Lease, LeaseBackend, LostCallback
 
 log = logging.getLogger("celery_dlock.renew")
 
@@ -224,3 +225,34 @@ def _slack(lease: Lease) -> float:
 
 
 watchdog = Watchdog()
+
+
+log_acquire = logging.getLogger("celery_dlock.acquire")
+
+
+def announce_won(lease: Lease, begun: float, on_lost: LostCallback | None) -> Lease:
+    """What a backend whose leases have a ttl does with a lease it has just won: attach
+    ``on_lost``, give the lease to the watchdog when it is renewed or someone listens for its
+    loss (the watchdog also reports a lease that is not renewed when its validity runs out),
+    log it and send ``lock_acquired``. ``begun``: the monotonic time the acquire began."""
+    if on_lost is not None:
+        lease.on_lost(on_lost)
+    if (
+        lease.renew_interval is not None
+        or lease.max_hold is not None
+        or on_lost is not None
+        or lock_lost.receivers
+    ):
+        watchdog.add(lease)
+    waited = lease.acquired_at - begun
+    if log_acquire.isEnabledFor(logging.DEBUG):  # what debug() asks first, one call less
+        log_acquire.debug("acquired key=%s token=%s waited=%.3f", lease.key, lease.token, waited)
+    if lock_acquired.receivers:  # sending costs a call and a dict even to nobody
+        lock_acquired.send(
+            sender=lease.sender,
+            key=lease.key,
+            token=lease.token,
+            task_id=lease.holder,
+            waited=waited,
+        )
+    return lease

@@ -33,8 +33,7 @@ from celery_dlock.core.config import (
 from celery_dlock.core.errors import LockContended
 from celery_dlock.core.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.core.lease import Lease, LostCallback
-from celery_dlock.core.renewal import watchdog
-from celery_dlock.core.signals import lock_acquired, lock_lost
+from celery_dlock.core.renewal import announce_won, watchdog
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -139,7 +138,7 @@ class MemoryBackend(BaseBackend):
             max_hold=max_hold,
             sender=sender,
         )
-        return self._won(lease, begun, on_lost)
+        return announce_won(lease, begun, on_lost)
 
     @staticmethod
     def _left(begun: float, wait: float | None, real_end: float | None) -> float | None:
@@ -172,28 +171,6 @@ class MemoryBackend(BaseBackend):
             holder=refused.holder,
             retry_after=left,
         )
-
-    def _won(self, lease: Lease, begun: float, on_lost: LostCallback | None) -> Lease:
-        if on_lost is not None:
-            lease.on_lost(on_lost)
-        if (
-            lease.renew_interval is not None
-            or lease.max_hold is not None
-            or on_lost is not None
-            or lock_lost.receivers
-        ):
-            watchdog.add(lease)
-        waited = lease.acquired_at - begun
-        log_acquire.debug("acquired key=%s token=%s waited=%.3f", lease.key, lease.token, waited)
-        if lock_acquired.receivers:
-            lock_acquired.send(
-                sender=lease.sender,
-                key=lease.key,
-                token=lease.token,
-                task_id=lease.holder,
-                waited=waited,
-            )
-        return lease
 
     def send_queued(self, key: str, ttl: float, *, holder: str, sender: Any = None) -> None:
         """Nothing to send ahead in memory: the caller acquires at once instead."""

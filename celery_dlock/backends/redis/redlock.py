@@ -55,8 +55,7 @@ from celery_dlock.core.config import (
 from celery_dlock.core.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.core.lease import Lease, LostCallback
-from celery_dlock.core.renewal import watchdog
-from celery_dlock.core.signals import lock_acquired, lock_lost
+from celery_dlock.core.renewal import announce_won, watchdog
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -163,7 +162,7 @@ class LockManager(BaseBackend):
         begun = time.monotonic()
         outcome = self._attempt(request, keys)
         if isinstance(outcome, Lease):  # the usual case: no loop to set up
-            return self._won(request, outcome, begun, on_lost)
+            return announce_won(outcome, begun, on_lost)
         return self._retry(request, keys, begun, wait, on_lost, outcome)
 
     def _retry(
@@ -213,37 +212,8 @@ class LockManager(BaseBackend):
                     woken_from = self._wait_for_release(key, keys[2], outcome, until, ttl)
             attempt = self._attempt(request, keys)
             if isinstance(attempt, Lease):
-                return self._won(request, attempt, begun, on_lost)
+                return announce_won(attempt, begun, on_lost)
             outcome = attempt
-
-    def _won(
-        self, request: _Request, lease: Lease, begun: float, on_lost: LostCallback | None
-    ) -> Lease:
-        if on_lost is not None:
-            lease.on_lost(on_lost)
-        if (
-            request.interval is not None
-            or request.max_hold is not None
-            or on_lost is not None
-            or lock_lost.receivers
-        ):
-            # Renewed leases, and any lease whose loss someone listens for: the watchdog
-            # reports a lease that is not renewed when its validity runs out.
-            watchdog.add(lease)
-        waited = lease.acquired_at - begun
-        if log_acquire.isEnabledFor(logging.DEBUG):  # what debug() asks first, one call less
-            log_acquire.debug(
-                "acquired key=%s token=%s waited=%.3f", request.key, lease.token, waited
-            )
-        if lock_acquired.receivers:  # sending costs a call and a dict even to nobody
-            lock_acquired.send(
-                sender=request.sender,
-                key=request.key,
-                token=lease.token,
-                task_id=request.holder,
-                waited=waited,
-            )
-        return lease
 
     @staticmethod
     def _refused(key: str, outcome: Refusal) -> LockContended | LockUnavailable:
@@ -720,7 +690,7 @@ class PendingAcquire:
             raise
         outcome = manager._outcome(self._request, self._keys, self._head, self._started, [reply])
         if isinstance(outcome, Lease):
-            return manager._won(self._request, outcome, self._started, None)
+            return announce_won(outcome, self._started, None)
         raise manager._refused(self.key, outcome)
 
 
