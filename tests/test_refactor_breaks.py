@@ -240,7 +240,7 @@ def test_holder_signature_still_names_its_fields() -> None:
 @pytest.mark.parametrize(
     ("where", "name", "first"),
     [
-        ("celery_dlock.ops.admin", "node_errors", "manager"),
+        ("celery_dlock.admin", "node_errors", "manager"),
         ("celery_dlock", "Lease", "manager"),
         ("celery_dlock", "LockGuard", "manager"),
     ],
