@@ -231,12 +231,26 @@ class Backend(LeaseBackend, Protocol):
 
 
 class BaseBackend:
-    """What the backends whose leases have a ttl (Redis, in-process) share above the seam:
-    :meth:`acquire`'s argument checks, then :meth:`acquire_checked`, which each implements.
-    (ZooKeeper checks its own: its leases last with the session, so it takes no renewal
-    interval and no fence retention.)"""
+    """What the backends share above the seam: :meth:`purge` (every backend), and
+    :meth:`acquire`'s argument checks before :meth:`acquire_checked`, which each implements
+    (ZooKeeper overrides :meth:`acquire`: its leases last with the session, so it takes no
+    renewal interval and no fence retention)."""
 
     settings: Settings
+
+    def locks(self, prefix: str = "") -> list[LockInfo]:
+        raise NotImplementedError
+
+    def force_release(self, key: str, holder: Holder) -> bool:
+        raise NotImplementedError
+
+    def purge(self, prefix: str) -> list[str]:
+        """Force-release every held key starting with ``prefix``; the keys released."""
+        return [
+            info.key
+            for info in self.locks(prefix)
+            if info.holder is not None and self.force_release(info.key, info.holder)
+        ]
 
     def acquire(
         self,

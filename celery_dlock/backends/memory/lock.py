@@ -259,14 +259,6 @@ class MemoryBackend(BaseBackend):
         fencing counter moves on. True if it held the key."""
         return self.store.revoke(self._name(check_key(key)), holder.nonce)
 
-    def purge(self, prefix: str) -> list[str]:
-        """Force-release every held key starting with ``prefix``; the keys released."""
-        return [
-            info.key
-            for info in self.locks(prefix)
-            if info.holder is not None and self.force_release(info.key, info.holder)
-        ]
-
     def waiting(self, key: str) -> int:
         """How many threads of this process wait in line for ``key`` (for tests)."""
         return self.store.waiting(self._name(check_key(key)))

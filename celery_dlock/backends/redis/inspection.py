@@ -1,5 +1,5 @@
 """Operator reads and repairs on the Redis backend: who holds a key, every key held, a forced
-release, a purge, a health check of the nodes.
+release, a health check of the nodes (a purge is core.backend.BaseBackend.purge).
 
 None of this is on a lock's path: the operator command (:mod:`celery_dlock.ops.admin`,
 ``celery dlock ...``), the compat layers and the worker's clean-up call these through
@@ -215,16 +215,6 @@ def force_release(nodes: RedisNodes, key: str, holder: Holder) -> bool:
         len(nodes.nodes),
     )
     return released >= nodes.quorum
-
-
-def purge(nodes: RedisNodes, prefix: str) -> list[str]:
-    """Force-release every key starting with ``prefix`` that a majority shows held; the keys
-    released."""
-    return [
-        info.key
-        for info in locks(nodes, prefix)
-        if info.holder is not None and force_release(nodes, info.key, info.holder)
-    ]
 
 
 def endpoints(nodes: RedisNodes) -> list[str]:

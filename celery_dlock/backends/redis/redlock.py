@@ -616,10 +616,6 @@ class LockManager(BaseBackend):
         """
         return inspection.force_release(self, key, holder)
 
-    def purge(self, prefix: str) -> list[str]:
-        """Force-release every held key starting with ``prefix``; the keys released."""
-        return inspection.purge(self, prefix)
-
     def endpoints(self) -> list[str]:
         """Each node's URL, passwords hidden."""
         return inspection.endpoints(self)

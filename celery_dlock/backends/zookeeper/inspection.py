@@ -173,15 +173,6 @@ def release_by_task(space: Keyspace, key: str, task_id: str) -> bool:
     return _delete_if(space, check_key(key), lambda name, h: h.task_id == task_id)
 
 
-def purge(space: Keyspace, prefix: str) -> list[str]:
-    """Force-release every held key starting with ``prefix``; the keys released."""
-    return [
-        info.key
-        for info in locks(space, prefix)
-        if info.holder is not None and force_release(space, info.key, info.holder)
-    ]
-
-
 def endpoints(url: ZkUrl, base: str) -> list[str]:
     """One line per server of the ensemble, credentials hidden, with the chroot."""
     who = f"{url.user}:***@" if url.user is not None else ""

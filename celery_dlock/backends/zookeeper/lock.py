@@ -30,6 +30,7 @@ from celery_dlock.backends.zookeeper.lease import NodeLease, ZkLease
 from celery_dlock.backends.zookeeper.nodes import SEQ_DIGITS, identity, read_holder
 from celery_dlock.backends.zookeeper.session import SharedClient
 from celery_dlock.backends.zookeeper.url import ZkUrl
+from celery_dlock.core.backend import BaseBackend
 from celery_dlock.core.config import (
     DEFAULT_DRIFT_FACTOR,
     DEFAULT_PREFIX,
@@ -46,7 +47,7 @@ from celery_dlock.core.lease import Lease, LostCallback
 __all__ = ["SEQ_DIGITS", "NodeLease", "ZooKeeperBackend", "identity", "read_holder"]
 
 
-class ZooKeeperBackend:
+class ZooKeeperBackend(BaseBackend):
     """Acquire and release leases on one ZooKeeper ensemble (a ``zookeeper://`` URL)."""
 
     #: An acquisition others can read is decided: never undone (see Backend.settle_time).
@@ -237,10 +238,6 @@ class ZooKeeperBackend:
 
     #: Older name of :meth:`release_by_task`, still called by existing code.
     release_by_holder = release_by_task
-
-    def purge(self, prefix: str) -> list[str]:
-        """Force-release every held key starting with ``prefix``; the keys released."""
-        return inspection.purge(self.space, prefix)
 
     def endpoints(self) -> list[str]:
         """One line per server of the ensemble, credentials hidden, with the chroot."""
