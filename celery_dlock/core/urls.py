@@ -99,6 +99,23 @@ CERT_REQS = ("required", "optional", "none")
 _FALSE = ("0", "f", "false", "n", "no", "off")
 
 
+#: Hints for a TLS connection that failed on the server's certificate, by a fragment of the
+#: error text; every TLS backend's list starts with these (a hostname mismatch is also a
+#: CERTIFICATE_VERIFY_FAILED, so it comes first).
+SERVER_CERTIFICATE_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("Hostname mismatch", "IP address mismatch"),
+        "the server's certificate does not name the host in the URL: connect by a name (or "
+        "IP address) its certificate lists",
+    ),
+    (
+        ("CERTIFICATE_VERIFY_FAILED",),
+        "the server's certificate is not signed by a CA this client trusts: add "
+        "ssl_ca_certs=/path/to/ca.pem (the CA that signed it) to the URL",
+    ),
+)
+
+
 def tls_warnings(urls: Sequence[str]) -> list[str]:
     """One line per TLS URL whose options turn verification off (``ssl_cert_reqs=none``,
     ``ssl_check_hostname=false``): such a connection is encrypted but not authenticated, so

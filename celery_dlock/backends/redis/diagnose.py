@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from redis.exceptions import MovedError, NoPermissionError
 from redis.sentinel import MasterNotFoundError
 
+from celery_dlock.core.urls import SERVER_CERTIFICATE_HINTS
+
 if TYPE_CHECKING:
     from celery_dlock.backends.redis.nodes import Node
 
@@ -79,16 +81,7 @@ _TLS_HINTS = (
         "ssl_ca_certs, ssl_certfile or ssl_keyfile is not a PEM certificate or key, or the key "
         "does not belong to the certificate",
     ),
-    (
-        ("Hostname mismatch", "IP address mismatch"),
-        "the server's certificate does not name the host in the URL: connect by a name (or "
-        "IP address) its certificate lists",
-    ),
-    (
-        ("CERTIFICATE_VERIFY_FAILED",),
-        "the server's certificate is not signed by a CA this client trusts: add "
-        "ssl_ca_certs=/path/to/ca.pem (the CA that signed it) to the URL",
-    ),
+    *SERVER_CERTIFICATE_HINTS,
     (
         ("EOF occurred in violation of protocol", "CERTIFICATE_REQUIRED", "UNKNOWN_CA",
          "BAD_CERTIFICATE", "HANDSHAKE_FAILURE", "Connection reset by peer",

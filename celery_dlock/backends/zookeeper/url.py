@@ -58,7 +58,12 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
 from celery_dlock.core.errors import ConfigError
-from celery_dlock.core.urls import PERCENT_ENCODE, misread_userinfo, redact
+from celery_dlock.core.urls import (
+    PERCENT_ENCODE,
+    SERVER_CERTIFICATE_HINTS,
+    misread_userinfo,
+    redact,
+)
 
 SCHEME = "zookeeper"
 #: The same over TLS (as ``rediss://`` is ``redis://`` over TLS).
@@ -468,16 +473,7 @@ def _holds_key(path: str) -> bool:
 #: Hints for a connection that did not come up, by a fragment of kazoo's last error. Order
 #: matters: a hostname mismatch is also a CERTIFICATE_VERIFY_FAILED.
 _TLS_HINTS = (
-    (
-        ("Hostname mismatch", "IP address mismatch"),
-        "the server's certificate does not name the host in the URL: connect by a name (or "
-        "IP address) its certificate lists",
-    ),
-    (
-        ("CERTIFICATE_VERIFY_FAILED",),
-        "the server's certificate is not signed by a CA this client trusts: add "
-        "ssl_ca_certs=/path/to/ca.pem (the CA that signed it) to the URL",
-    ),
+    *SERVER_CERTIFICATE_HINTS,
     (
         ("ALERT_BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "ALERT_UNKNOWN_CA",
          "ALERT_CERTIFICATE_UNKNOWN", "HANDSHAKE_FAILURE"),
