@@ -55,9 +55,9 @@ import redis
 import redis_lock
 from _common import machine, pin
 
-from celery_dlock.lease import Lease
-from celery_dlock.redis.redlock import LockManager
-from celery_dlock.registry import manager_for
+from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import redis_servers
 
 TTL_S = 10

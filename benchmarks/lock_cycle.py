@@ -83,8 +83,8 @@ from celery import Celery
 from pottery import Redlock
 
 from celery_dlock import lock
-from celery_dlock.redis.scripts import ACQUIRE, RELEASE
-from celery_dlock.registry import manager_for
+from celery_dlock.backends.redis.scripts import ACQUIRE, RELEASE
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import redis_servers
 
 TTL_S = 10

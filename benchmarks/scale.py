@@ -53,8 +53,8 @@ import redis_lock
 from _common import code_version, machine
 from pottery import Redlock
 
-from celery_dlock.errors import LockContended
-from celery_dlock.registry import manager_for
+from celery_dlock.core.errors import LockContended
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import redis_servers
 
 logging.getLogger("redis_lock").setLevel(logging.ERROR)  # a warning per refused attempt

@@ -21,8 +21,8 @@ from typing import Any
 import redis
 
 from benchmarks._common import code_version
-from celery_dlock.holder import head_nonce, value_head
-from celery_dlock.redis import scripts
+from celery_dlock.backends.redis import scripts
+from celery_dlock.core.holder import head_nonce, value_head
 from celery_dlock.testing import RedisServer
 
 #: A value head as a task's acquire writes it (the script appends the fence and "}").

@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import celery_dlock
 import tests.support.zookeeper as zk_servers
+from celery_dlock.backends.zookeeper import ZooKeeperBackend, close_all
 from celery_dlock.testing import RedisServer
-from celery_dlock.zookeeper import ZooKeeperBackend, close_all
 from tests.support.zookeeper import skip_reason, standalone
 
 

@@ -33,7 +33,7 @@ from kazoo.client import KazooClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from celery_dlock.zookeeper import ZooKeeperBackend, close_all
+from celery_dlock.backends.zookeeper import ZooKeeperBackend, close_all
 from tests.support.zookeeper import four_letter, skip_reason, standalone
 
 

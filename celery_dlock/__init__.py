@@ -8,9 +8,16 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from celery_dlock import admin
-from celery_dlock import beat as _beat  # noqa: F401  (connects the beat_init receiver)
-from celery_dlock import hooks as _hooks  # noqa: F401  (connects the Celery signal receivers)
-from celery_dlock.config import DLockConfigWarning
+from celery_dlock.celery import beat as _beat  # noqa: F401  (connects the beat_init receiver)
+from celery_dlock.celery import hooks as _hooks  # noqa: F401  (connects the Celery signal receivers)
+from celery_dlock.celery.task import SingletonTask
+from celery_dlock.core.config import DLockConfigWarning
+from celery_dlock.core.guard import LockGuard, lock
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.signals import lock_acquired, lock_contended, lock_lost, lock_released
+
+# Through the modules whose names the classes keep for pickles and Celery's serialized
+# exceptions: Celery rebuilds an exception from ``exc_module`` only if that module is loaded.
 from celery_dlock.errors import (
     ConfigError,
     DLockError,
@@ -18,11 +25,8 @@ from celery_dlock.errors import (
     LockLost,
     LockUnavailable,
 )
-from celery_dlock.guard import LockGuard, lock
-from celery_dlock.holder import Holder, LockInfo
-from celery_dlock.lease import Lease
-from celery_dlock.signals import lock_acquired, lock_contended, lock_lost, lock_released
-from celery_dlock.task import SingletonTask
+from celery_dlock.holder import Holder
+from celery_dlock.redlock import LockInfo
 
 try:
     __version__ = version("celery-dlock")

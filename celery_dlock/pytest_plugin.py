@@ -35,11 +35,11 @@ from typing import Any
 
 import pytest
 
-from celery_dlock.clock import real_clock
-from celery_dlock.holder import Holder
-from celery_dlock.lease import Lease
-from celery_dlock.registry import manager_for
-from celery_dlock.renewal import watchdog
+from celery_dlock.core.clock import real_clock
+from celery_dlock.core.holder import Holder
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
+from celery_dlock.core.renewal import watchdog
 from celery_dlock.testing import RedisServer
 
 #: The environment variable naming a Redis of your own (CI's service container, say).

@@ -22,8 +22,7 @@ from collections.abc import Iterator
 import redis
 
 import celery_dlock
-from celery_dlock import LockContended, LockLost, lock
-from celery_dlock.lease import Lease
+from celery_dlock import Lease, LockContended, LockLost, lock
 from celery_dlock.testing import redis_servers
 
 T0 = time.monotonic()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_dlock.renewal import watchdog
+from celery_dlock.core.renewal import watchdog
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.support.clients import client, close_all
 
@@ -123,7 +123,7 @@ def zookeeper_session_url() -> Iterator[str]:
         pytest.skip(reason)
     with standalone() as server:
         yield f"zookeeper://{server.hosts}{CHROOT}"
-        from celery_dlock.zookeeper import close_all
+        from celery_dlock.backends.zookeeper import close_all
 
         close_all()  # before the server goes, or kazoo would keep reconnecting until exit
 
@@ -144,7 +144,7 @@ def rabbitmq_url() -> Iterator[str]:
 @pytest.fixture
 def zookeeper_urls(zookeeper_session_url: str) -> list[str]:
     """The ZooKeeper lock store, emptied before the test."""
-    from celery_dlock.zookeeper import parse
+    from celery_dlock.backends.zookeeper import parse
     from tests.support.zookeeper import wipe
 
     url = parse(zookeeper_session_url)
@@ -187,7 +187,7 @@ def _close_zookeeper_clients() -> Iterator[None]:
     draws from the global ``random`` on every loop of its connection thread, which makes
     hypothesis (tests/celery/test_wire_keys.py) report flaky data generation in a later module."""
     yield
-    zookeeper = sys.modules.get("celery_dlock.zookeeper")
+    zookeeper = sys.modules.get("celery_dlock.backends.zookeeper")
     if zookeeper is not None:
         zookeeper.close_all()
 

@@ -19,7 +19,8 @@ from celery import Task, states
 from celery.result import EagerResult
 from celery.utils import uuid
 
-from celery_dlock.backend import Backend
+from celery_dlock.celery.headers import HEADER_QUEUED
+from celery_dlock.celery.task import PEER_OPTIONS
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,
@@ -28,11 +29,15 @@ from celery_dlock.compat.peer import (
     give_back_own,
     held_by_own_id,
 )
-from celery_dlock.config import check_seconds, settings_from_app
-from celery_dlock.errors import ConfigError, LockContended, LockUnavailable
-from celery_dlock.headers import HEADER_QUEUED
-from celery_dlock.registry import manager_for, manager_for_settings
-from celery_dlock.task import PEER_OPTIONS
+from celery_dlock.core.backend import Backend
+from celery_dlock.core.config import check_seconds, settings_from_app
+from celery_dlock.core.errors import ConfigError, LockContended, LockUnavailable
+from celery_dlock.core.registry import manager_for, manager_for_settings
+
+#: Jitter for retry sleeps, drawn from the OS: never from (or into) the application's global
+#: ``random`` state, which a user's seeded or property-based tests rely on, and different in
+#: each forked worker process without reseeding.
+_jitter = random.SystemRandom()
 
 #: celery-once's Redis backend, under the names it can be given by.
 _REDIS_BACKENDS = ("celery_once.backends.Redis", "celery_once.backends.redis.Redis")
@@ -295,7 +300,7 @@ class QueueOnce(PeerTask):
                     break
                 # Blocking mode: look again until the key frees or the wait runs out.
                 left = pause if deadline is None else min(pause, deadline - time.monotonic())
-                time.sleep(max(0.0, random.uniform(left / 2, left)))
+                time.sleep(max(0.0, _jitter.uniform(left / 2, left)))
                 pause = min(pause * 2, 0.5)
         finally:
             _call.once = None

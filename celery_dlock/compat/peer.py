@@ -8,9 +8,9 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from celery_dlock.errors import ConfigError, LockUnavailable
-from celery_dlock.keys import KeyBuilder
-from celery_dlock.task import SingletonTask
+from celery_dlock.celery.keys import KeyBuilder
+from celery_dlock.celery.task import SingletonTask
+from celery_dlock.core.errors import ConfigError, LockUnavailable
 
 
 class PeerTask(SingletonTask):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from celery.utils import uuid
 
-from celery_dlock.backend import Backend
+from celery_dlock.celery.task import PEER_OPTIONS
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,
@@ -24,10 +24,10 @@ from celery_dlock.compat.peer import (
     give_back_own,
     held_by_own_id,
 )
-from celery_dlock.config import check_seconds, settings_from_app
-from celery_dlock.errors import ConfigError
-from celery_dlock.registry import manager_for, manager_for_settings
-from celery_dlock.task import PEER_OPTIONS
+from celery_dlock.core.backend import Backend
+from celery_dlock.core.config import check_seconds, settings_from_app
+from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.registry import manager_for, manager_for_settings
 
 #: celery-singleton's default backend, under the names it can be given by.
 _REDIS_BACKENDS = (
@@ -282,7 +282,7 @@ class Singleton(PeerTask):
         """Take ``lock`` for ``task_id`` as a queued message would; False if it is held.
 
         (celery-singleton's spelling; :meth:`acquire_lock` is the same.)"""
-        from celery_dlock.errors import LockContended
+        from celery_dlock.core.errors import LockContended
 
         manager = self._dlock().manager
         try:

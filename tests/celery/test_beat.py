@@ -245,7 +245,7 @@ def test_the_scheduler_alias(tmp_path: Any) -> None:
     from celery import Celery
     from celery.beat import Service
 
-    from celery_dlock.beat import LeaderScheduler
+    from celery_dlock.celery.beat import LeaderScheduler
 
     app = Celery("alias", set_as_current=False)
     service = Service(app, scheduler_cls="dlock", schedule_filename=str(tmp_path / "s"))

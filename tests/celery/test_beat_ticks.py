@@ -17,14 +17,14 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab, schedule
 
 from celery_dlock import SingletonTask
-from celery_dlock.beat import (
+from celery_dlock.celery.beat import (
     _wrap_apply_async,
     tick_gap,
     tick_key,
     tick_margin,
     tick_slot,
 )
-from celery_dlock.headers import HEADER_DUPLICATE_OF
+from celery_dlock.celery.headers import HEADER_DUPLICATE_OF
 from celery_dlock.testing import free_port
 from tests.support.clients import client
 

@@ -66,7 +66,7 @@ def test_the_docs_django_example_takes_its_locks_where_its_settings_say(
     done = python(
         root,
         "from proj.celery import app\n"
-        "from celery_dlock.config import settings_from_app\n"
+        "from celery_dlock.core.config import settings_from_app\n"
         "s = settings_from_app(app)\n"
         "print(s.urls, s.ttl, s.prefix)\n",
     )

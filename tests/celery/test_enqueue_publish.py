@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_dlock import SingletonTask, enqueue
-from celery_dlock.headers import HEADER_QUEUED
-from celery_dlock.holder import head_nonce, value_head
-from celery_dlock.redis.janitor import janitor
+from celery_dlock import SingletonTask
+from celery_dlock.backends.redis.janitor import janitor
+from celery_dlock.celery import enqueue
+from celery_dlock.celery.headers import HEADER_QUEUED
+from celery_dlock.core.holder import head_nonce, value_head
 from celery_dlock.testing import RedisServer, free_port
 from tests.support.clients import client
 from tests.support.proxy import FaultProxy

@@ -37,7 +37,7 @@ from celery.exceptions import (
 )
 
 from celery_dlock import Holder, LockLost
-from celery_dlock.holder import parse_value
+from celery_dlock.core.holder import parse_value
 from tests.support.celery_fixtures import Mode, make_mode
 from tests.support.clients import client
 from tests.support.workers import Journal, Worker, intervals, overlaps

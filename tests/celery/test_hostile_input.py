@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_dlock import ConfigError, lock
-from celery_dlock.config import Settings, redact
+from celery_dlock.core.config import Settings
+from celery_dlock.core.urls import redact
 from celery_dlock.testing import RedisServer
 from tests.ops.test_cli import dlock as dlock_cli
 from tests.support.celery_fixtures import with_db
@@ -101,7 +102,7 @@ ATTEMPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.DEBUG)  # every library log line goes to stderr
 from celery_dlock import DLockError, lock
-from celery_dlock.config import Settings
+from celery_dlock.core.config import Settings
 found = {}
 for url in json.loads(sys.argv[1]):
     try:
@@ -268,7 +269,7 @@ def test_two_calls_a_separator_could_merge_run_both_in_a_real_worker(
 def test_a_conversion_keeps_a_constant_and_its_text_apart(conversion: str, constant: Any) -> None:
     """``{b!s}`` turns ``None`` into the str ``"None"`` before it is filled in: on 6005d89 it was
     then encoded as a str reading ``None`` is, and ``None`` and ``"None"`` shared one key."""
-    from celery_dlock.keys import KeyBuilder
+    from celery_dlock.celery.keys import KeyBuilder
 
     def run(a: Any, b: Any) -> None: ...
 
@@ -278,7 +279,7 @@ def test_a_conversion_keeps_a_constant_and_its_text_apart(conversion: str, const
 
 KEY_IN_A_PROCESS = """
 import json, sys
-from celery_dlock.keys import KeyBuilder
+from celery_dlock.celery.keys import KeyBuilder
 def run(a, b): ...
 keys = KeyBuilder("t", run, "k:{a}:{b}")
 print(json.dumps([keys(({"alpha", "beta", "gamma", "delta"}, 1), {}),
@@ -304,7 +305,7 @@ def test_a_container_fills_in_one_key_in_every_process() -> None:
 def test_a_container_fills_in_a_canonical_text_no_string_can() -> None:
     """Dict order does not matter; a list and the string of its ``str()`` are two resources;
     an object keyed by its address (different in every process) is refused naming it."""
-    from celery_dlock.keys import KeyBuilder
+    from celery_dlock.celery.keys import KeyBuilder
 
     def run(a: Any, b: Any) -> None: ...
 
@@ -336,7 +337,7 @@ def test_a_value_a_field_cannot_be_filled_from_is_a_config_error_naming_it(
     """An index, attribute or format spec that a request's value does not fit (an empty list,
     a str where an int was meant): on 6005d89 a bare IndexError, KeyError, AttributeError,
     ValueError or TypeError that named neither the argument nor the template."""
-    from celery_dlock.keys import KeyBuilder
+    from celery_dlock.celery.keys import KeyBuilder
 
     def run(a: Any) -> None: ...
 
@@ -349,7 +350,7 @@ def test_a_value_cannot_forge_a_long_keys_shortened_form() -> None:
     which anyone knowing the call can compute: on 6005d89 a request whose value was that text
     (after the template's literal) filled in the very same key, and took the long call's
     lock. A filled key that reads like a shortened one is shortened in turn."""
-    from celery_dlock.keys import KeyBuilder
+    from celery_dlock.celery.keys import KeyBuilder
 
     def run(url: str) -> None: ...
 
@@ -388,7 +389,7 @@ def test_a_worker_runs_its_tasks_as_the_acl_user_without_scan(celery_base: str, 
     the one line there was granted ``+scan``)."""
     import redis
 
-    from celery_dlock.redis.diagnose import acl_rules
+    from celery_dlock.backends.redis.diagnose import acl_rules
 
     worker_line = acl_rules()
     assert "+scan" not in worker_line.split()
@@ -445,7 +446,7 @@ def test_the_worker_line_runs_beat_enqueue_time_locks_and_the_operator_commands_
     ``list`` and ``purge`` (SCAN) need the operator's line."""
     import redis
 
-    from celery_dlock.redis.diagnose import acl_rules
+    from celery_dlock.backends.redis.diagnose import acl_rules
     from tests.support.workers import Beat
 
     with RedisServer() as server:
@@ -555,7 +556,7 @@ def test_a_key_that_looks_like_another_is_shown_escaped(single_urls: list[str], 
     """``ab`` and ``a<char>b`` are two locks: ``dlock list`` must not print them
     alike (on 6005d89 ``list`` printed these raw, as ``ab``: a combining grapheme joiner, variation
     selectors, Hangul fillers), so an operator can tell which one to release."""
-    from celery_dlock.cli import printable
+    from celery_dlock.ops.cli import printable
 
     url = single_urls[0]
     key = f"a{char}b"
@@ -598,8 +599,8 @@ def test_one_unsendable_item_does_not_drop_the_rest_of_a_janitor_round(
     lands (on c53a04b the first's exception ended the round and the second was dropped)."""
     import time
 
-    from celery_dlock.redis.janitor import janitor
-    from celery_dlock.registry import manager_for
+    from celery_dlock.backends.redis.janitor import janitor
+    from celery_dlock.core.registry import manager_for
     from tests.support.clients import client
 
     manager = manager_for(single_urls)
@@ -700,7 +701,7 @@ def test_a_lock_value_without_expiry_is_named_and_not_spun_on(single_urls: list[
     spin (on c53a04b: retry_after 0.0, a waiter retried every millisecond; ``dlock list``
     showed ttl_left -0.001)."""
     from celery_dlock import LockContended
-    from celery_dlock.holder import value_head
+    from celery_dlock.core.holder import value_head
     from tests.support.clients import client
 
     url = single_urls[0]
@@ -732,8 +733,8 @@ def test_a_user_granted_the_older_acl_line_still_takes_locks() -> None:
     import redis
 
     from celery_dlock import LockContended
-    from celery_dlock.redis.diagnose import acl_rules
-    from celery_dlock.registry import manager_for
+    from celery_dlock.backends.redis.diagnose import acl_rules
+    from celery_dlock.core.registry import manager_for
 
     older = acl_rules().replace(" +strlen +getrange", "")
     with RedisServer() as server:
@@ -801,13 +802,13 @@ def test_a_misspelt_ssl_cert_reqs_is_a_config_error_naming_it(given: str, meant:
 def test_tls_warnings_read_options_as_redis_py_does(query: str) -> None:
     """redis-py decodes a query option's name and value (``ssl%5Fcert%5Freqs=%6Eone`` turns
     verification off): on 6005d89 neither spelling was warned of."""
-    from celery_dlock.config import tls_warnings
+    from celery_dlock.core.urls import tls_warnings
 
     assert len(tls_warnings([f"rediss://127.0.0.1:1/0?{query}"])) == 1
 
 
 def test_tls_warnings_cover_every_tls_scheme_and_option() -> None:
-    from celery_dlock.config import tls_warnings
+    from celery_dlock.core.urls import tls_warnings
 
     off = [
         "rediss://:pw@h:6380/0?ssl_cert_reqs=none",
@@ -825,7 +826,7 @@ def test_dlock_check_warns_of_a_zookeeper_url_without_verification() -> None:
     """The check reads the settings' URLs (a ZooKeeper backend's endpoints drop the query)."""
     from celery import Celery
 
-    from celery_dlock import admin
+    from celery_dlock.ops import admin
 
     app = Celery("zk-tls", set_as_current=False)
     app.conf.dlock_urls = ["zookeepers://u:pw@127.0.0.1:1/x?ssl_cert_reqs=none"]
@@ -907,10 +908,10 @@ def test_filled_keys_are_distinct_printable_and_valid_everywhere(single_urls: li
     lock's Redis keys in one Cluster slot under its own tag, makes a valid ZooKeeper node
     name, and takes a real lock on Redis; or the pair is refused with a ConfigError naming
     the argument that holds a lone surrogate."""
-    from celery_dlock.cli import printable
-    from celery_dlock.keys import KeyBuilder
-    from celery_dlock.registry import manager_for
-    from celery_dlock.zookeeper.nodes import key_name
+    from celery_dlock.backends.zookeeper.nodes import key_name
+    from celery_dlock.celery.keys import KeyBuilder
+    from celery_dlock.core.registry import manager_for
+    from celery_dlock.ops.cli import printable
 
     def collect(source: Any, entity: Any) -> None: ...
 
@@ -957,7 +958,7 @@ def test_filled_keys_are_distinct_printable_and_valid_everywhere(single_urls: li
 
 
 def test_a_one_megabyte_argument_gives_a_short_distinct_key() -> None:
-    from celery_dlock.keys import KeyBuilder
+    from celery_dlock.celery.keys import KeyBuilder
 
     def collect(source: Any, entity: Any) -> None: ...
 

@@ -24,7 +24,7 @@ import pytest
 from celery import group, states
 
 from celery_dlock import LockLost, lock
-from celery_dlock.redis.connecting import POLLIN, SelectPoll
+from celery_dlock.backends.redis.connecting import POLLIN, SelectPoll
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.support.celery_fixtures import Mode, make_mode
 from tests.support.clients import client

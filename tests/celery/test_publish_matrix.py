@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 from celery import chain, chord, group
 
-from celery_dlock import admin
+from celery_dlock.ops import admin
 from tests.support.celery_fixtures import Mode, make_mode, with_db
 from tests.support.workers import Journal, Worker
 

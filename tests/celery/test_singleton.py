@@ -11,7 +11,7 @@ import pytest
 from celery import VERSION, states
 from redis.exceptions import RedisError
 
-from celery_dlock.redis.nodes import connect, is_connected
+from celery_dlock.backends.redis.nodes import connect, is_connected
 from tests.support.celery_fixtures import Mode, node_timeout, submit_concurrently
 from tests.support.workers import Journal, Worker, intervals, overlaps
 

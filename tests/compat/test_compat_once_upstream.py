@@ -30,7 +30,7 @@ from celery import Celery, states
 from celery_dlock import ConfigError, admin
 from celery_dlock.compat import AlreadyQueued, QueueOnce
 from celery_dlock.compat.once import lock_url
-from celery_dlock.config import check_urls
+from celery_dlock.core.urls import check_urls
 from tests.support.workers import Journal, Worker
 
 IDLE = "compat-idle"  # a queue no worker consumes: its messages stay queued, holding their keys

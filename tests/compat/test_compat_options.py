@@ -222,6 +222,6 @@ def test_a_running_key_is_no_other_calls_queued_key(single_urls: list[str]) -> N
     with lock(single_urls, running, ttl=10):  # what the run of ('x',) holds
         queued = t.apply_async(("x:running",), queue=IDLE)
     assert queued.id
-    from celery_dlock import admin
+    from celery_dlock.ops import admin
 
     admin.release(single_urls, t.lock_key_for(("x:running",), {}))  # the message stays queued

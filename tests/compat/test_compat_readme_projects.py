@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from celery import states
 
-from celery_dlock import admin
 from celery_dlock.compat import AlreadyQueued, DuplicateTaskError
+from celery_dlock.ops import admin
 from tests.support.celery_fixtures import Mode, with_db
 from tests.support.clients import client
 from tests.support.workers import Journal, Worker

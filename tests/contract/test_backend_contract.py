@@ -1,4 +1,4 @@
-"""The backend contract (:mod:`celery_dlock.backend`), one test module that every backend runs
+"""The backend contract (:mod:`celery_dlock.core.backend`), one test module that every backend runs
 unchanged: the in-process table (``memory://``), a single Redis, Redlock over five masters and
 a ZooKeeper server.
 
@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from celery_dlock import LockContended, LockLost
-from celery_dlock.backend import Backend
-from celery_dlock.config import Settings, backend_module
-from celery_dlock.holder import head_nonce
-from celery_dlock.lease import Lease
+from celery_dlock.core.backend import Backend
+from celery_dlock.core.config import Settings
+from celery_dlock.core.holder import head_nonce
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.urls import backend_module
 
 #: Every backend the suite runs on (docs/internals.md names them).
 STORES = ("memory", "single", "redlock5", "zookeeper")

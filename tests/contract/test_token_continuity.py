@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from celery_dlock import lock
-from celery_dlock.lease import Lease
-from celery_dlock.zookeeper import ZooKeeperBackend
+from celery_dlock.backends.zookeeper import ZooKeeperBackend
+from celery_dlock.core.lease import Lease
 from tests.support.zookeeper import until
 
 

@@ -23,9 +23,10 @@ import time
 
 import pytest
 
-from celery_dlock.backend import Backend
-from celery_dlock.config import Settings, backend_module
-from celery_dlock.errors import LockContended
+from celery_dlock.core.backend import Backend
+from celery_dlock.core.config import Settings
+from celery_dlock.core.errors import LockContended
+from celery_dlock.core.urls import backend_module
 from tests.support.zookeeper import until
 
 MODES = ["single", "redlock5", "zookeeper"]
@@ -34,7 +35,8 @@ TTL = 3.0
 
 CHILD = """
 import sys, time
-from celery_dlock.config import Settings, backend_module
+from celery_dlock.core.config import Settings
+from celery_dlock.core.urls import backend_module
 settings = Settings(urls=tuple(sys.argv[1:]))
 backend = backend_module(settings.urls).make_backend(settings)
 lease = backend.acquire("ttl-meaning", ttl=float(%r))

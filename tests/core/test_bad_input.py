@@ -13,7 +13,8 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError, DLockConfigWarning, lock
-from celery_dlock.config import Settings, redact
+from celery_dlock.core.config import Settings
+from celery_dlock.core.urls import redact
 from tests.support.clients import client
 
 GOOD = ["redis://127.0.0.1:1/0"]
@@ -275,7 +276,7 @@ def runtime_error(urls: list[str], key: str = "report") -> str:
 
 @pytest.mark.local_redis
 def test_runtime_bad_input_table() -> None:
-    from celery_dlock.redis.diagnose import acl_rules
+    from celery_dlock.backends.redis.diagnose import acl_rules
     from celery_dlock.testing import RedisServer, free_port
     from tests.support.tls import TlsProxy, make_certificates, tls_url
 
@@ -374,7 +375,7 @@ def test_a_misspelt_setting_is_refused_not_ignored() -> None:
     ],
 )
 def test_kombu_broker_forms_give_the_same_redis_for_locks(broker: str, expected: str) -> None:
-    from celery_dlock.config import settings_from_app
+    from celery_dlock.core.config import settings_from_app
 
     app = Celery("t", set_as_current=False, broker=broker)
     assert settings_from_app(app).urls == (expected,)
@@ -421,7 +422,7 @@ def test_a_bound_tasks_self_is_no_key_argument() -> None:
 
 
 def test_a_wrong_beat_ttl_names_its_setting() -> None:
-    from celery_dlock.config import beat_settings
+    from celery_dlock.core.config import beat_settings
 
     app = Celery("t", set_as_current=False)
     app.conf.dlock_beat_ttl = 0
@@ -472,7 +473,7 @@ def test_a_setting_name_is_refused_exactly_when_celery_would_not_read_it(
 ) -> None:
     """Whatever the namespace's case, the library agrees with Celery itself (its own lookup is
     the judge): a name Celery reads passes, one it ignores is reported."""
-    from celery_dlock.config import misnamed_settings
+    from celery_dlock.core.config import misnamed_settings
 
     source = type("Config", (), {name: ["redis://127.0.0.1:1/7"]})
     app = Celery("t", set_as_current=False, broker="redis://127.0.0.1:1/0")

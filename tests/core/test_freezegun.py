@@ -16,8 +16,8 @@ from celery.contrib.testing.worker import start_worker
 from freezegun import freeze_time
 
 from celery_dlock import LockContended, SingletonTask, lock
-from celery_dlock.clock import real_clock
-from celery_dlock.registry import forget
+from celery_dlock.core.clock import real_clock
+from celery_dlock.core.registry import forget
 
 STORES = ("memory", "single", "redlock5", "zookeeper")
 TICKING = pytest.mark.parametrize("tick", [False, True], ids=["frozen", "ticking"])

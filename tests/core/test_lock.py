@@ -15,9 +15,9 @@ import pytest
 from celery import Celery, current_app
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
-from celery_dlock.lease import Lease
-from celery_dlock.registry import forget, manager_for
-from celery_dlock.renewal import watchdog
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import forget, manager_for
+from celery_dlock.core.renewal import watchdog
 from celery_dlock.testing import RedisServer
 from tests.support.clients import client
 
@@ -466,7 +466,7 @@ def test_fencing_tokens_increase_across_an_empty_restart_of_a_single_redis(
 def test_each_release_admits_exactly_one_of_ten_waiters(
     urls: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import celery_dlock.redis.redlock as redlock_module
+    import celery_dlock.backends.redis.redlock as redlock_module
 
     pops = {"started": 0, "returned": 0}
     state = threading.Condition()
@@ -758,8 +758,8 @@ def test_commands_packed_in_c_match_redis_py() -> None:
     from redis.connection import Connection
     from redis.exceptions import DataError
 
-    from celery_dlock.redis.skipping import PROBE_COMMAND, SKIP_REPLY
-    from celery_dlock.redis.wire import pack
+    from celery_dlock.backends.redis.skipping import PROBE_COMMAND, SKIP_REPLY
+    from celery_dlock.backends.redis.wire import pack
 
     conn = Connection()
     command = ("EVALSHA", "ab" * 20, 3, "k:é", "f", "v", '{"holder":"x"}', "60000", 0, 1.5, b"\x00")
@@ -780,9 +780,9 @@ def test_release_without_waiting_gets_no_reply_and_frees_the_key(urls: list[str]
     """A task's release goes out after ``CLIENT REPLY SKIP``, as source: the key goes, the
     server writes no reply, and later commands still read their own replies, also after a
     ``SCRIPT FLUSH`` (an EVALSHA whose NOSCRIPT nobody reads would be lost)."""
-    from celery_dlock.redis.connecting import stale
-    from celery_dlock.redis.owed import entries
-    from celery_dlock.redis.skipping import skippable
+    from celery_dlock.backends.redis.connecting import stale
+    from celery_dlock.backends.redis.owed import entries
+    from celery_dlock.backends.redis.skipping import skippable
 
     manager = manager_for(urls)
     for i in range(30):
@@ -804,9 +804,9 @@ def test_release_without_waiting_gets_no_reply_and_frees_the_key(urls: list[str]
 def test_release_without_client_reply_permission_awaits_replies(server: RedisServer) -> None:
     """An ACL user with only the documented rules may not run ``CLIENT REPLY``: the first
     release's probe finds that out, and releases go back to replies read later, none misread."""
-    from celery_dlock.redis.diagnose import acl_rules
-    from celery_dlock.redis.owed import entries
-    from celery_dlock.redis.skipping import skippable
+    from celery_dlock.backends.redis.diagnose import acl_rules
+    from celery_dlock.backends.redis.owed import entries
+    from celery_dlock.backends.redis.skipping import skippable
 
     client(server.url).execute_command(
         "ACL", "SETUSER", "noskip", "reset", "on", ">pw", "-@all", *acl_rules().split()

@@ -28,11 +28,11 @@ import pytest
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
-from celery_dlock.lease import Lease
-from celery_dlock.redis.janitor import SWEEP_TICK
-from celery_dlock.redis.redlock import LockManager
-from celery_dlock.redis.resends import CONFIRM_GRACE
-from celery_dlock.registry import manager_for
+from celery_dlock.backends.redis.janitor import SWEEP_TICK
+from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.backends.redis.resends import CONFIRM_GRACE
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import RedisServer
 from tests.support.clients import client, idle_timeout
 from tests.support.proxy import FaultProxy

@@ -14,8 +14,8 @@ import pytest
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock, lock_lost
-from celery_dlock.lease import Lease
-from celery_dlock.registry import manager_for
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import RedisServer
 from tests.support.clients import client, idle_timeout
 from tests.support.proxy import FaultProxy
@@ -275,8 +275,8 @@ def test_the_holders_token_is_shown_when_the_node_that_proposed_it_is_down(
 
 
 class _LatePoll:
-    """``select.poll`` for :mod:`celery_dlock.redis.transport` (its ``poller``), except that
-    a poller built to read replies (in ``_exchange``, after the command went out and its
+    """``select.poll`` for :mod:`celery_dlock.backends.redis.transport` (its ``poller``), except
+    that a poller built to read replies (in ``_exchange``, after the command went out and its
     deadline was set) stalls in ``register`` until the reply is there, then past the deadline:
     the calling thread descheduled by a busy host, or waiting for the GIL, when the answers
     come in."""
@@ -310,7 +310,7 @@ def test_replies_there_by_the_time_the_caller_looks_count_though_it_looks_late(
     declared the nodes whose replies were waiting silent: the attempt failed (a duplicate was
     published without its queued lock), its writes voided, the nodes cooled down for all."""
 
-    from celery_dlock.redis import transport
+    from celery_dlock.backends.redis import transport
 
     manager = manager_for(app_for(redlock_urls, dlock_node_timeout=0.05))
     manager.acquire("warm", ttl=5, renew=False).release()  # connections open, scripts known

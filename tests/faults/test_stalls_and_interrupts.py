@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_dlock import LockContended, LockLost, LockUnavailable, interrupt, lock
-from celery_dlock.lease import Lease
-from celery_dlock.redis import scripts
-from celery_dlock.registry import manager_for
+from celery_dlock import LockContended, LockLost, LockUnavailable, lock
+from celery_dlock.backends.redis import scripts
+from celery_dlock.celery import interrupt
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.support.clients import client
 

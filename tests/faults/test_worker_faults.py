@@ -13,7 +13,7 @@ import pytest
 from celery.signals import before_task_publish
 from celery.utils import uuid
 
-from celery_dlock import hooks
+from celery_dlock.celery import hooks
 from celery_dlock.testing import RedisServer
 from tests.support.celery_fixtures import Mode, submit_concurrently
 from tests.support.workers import Journal, Worker, intervals, overlaps

@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_dlock import ConfigError, LockInfo, LockLost, SingletonTask, admin, lock
-from celery_dlock.registry import forget
+from celery_dlock.core.registry import forget
 from celery_dlock.testing import free_port
 from tests.ops.test_cli import dlock
 

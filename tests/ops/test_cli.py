@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from celery_dlock import LockLost
-from celery_dlock.redis.redlock import LockManager
+from celery_dlock.backends.redis.redlock import LockManager
 from celery_dlock.testing import RedisServer, free_port
 from tests.support import cli_app
 
@@ -43,7 +43,7 @@ def dlock(urls: list[str], *args: str, stdin: str = "") -> subprocess.CompletedP
 
 @pytest.fixture
 def manager(urls: list[str]) -> Any:
-    from celery_dlock.registry import forget, manager_for
+    from celery_dlock.core.registry import forget, manager_for
 
     cli_app.app.conf.dlock_urls = urls
     forget(cli_app.app)  # the app's settings are read once; read them again

@@ -10,7 +10,7 @@ from typing import Any
 from celery import Celery
 
 from celery_dlock import SingletonTask
-from celery_dlock.config import settings_from_app
+from celery_dlock.core.config import settings_from_app
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "configuration.md").read_text()
@@ -28,7 +28,7 @@ def literal(cell: str) -> Any:
 
 def settings_in_code() -> set[str]:
     found = set()
-    for path in (ROOT / "celery_dlock").glob("*.py"):
+    for path in (ROOT / "celery_dlock").rglob("*.py"):
         found |= set(re.findall(r"conf\.get\(\s*\"(dlock_[a-z_]+)\"", path.read_text()))
     return found
 
@@ -50,7 +50,7 @@ def test_documented_setting_defaults_are_the_codes() -> None:
         ("dlock_fence_retention", "fence_retention"),
     ]:
         assert literal(documented[name]) == getattr(settings, field), name
-    from celery_dlock.beat import LeaderScheduler
+    from celery_dlock.celery.beat import LeaderScheduler
 
     scheduler = LeaderScheduler.__new__(LeaderScheduler)
     scheduler.app = app

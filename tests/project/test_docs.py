@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from celery_dlock.backends.zookeeper import close_all as zk_close_all
 from celery_dlock.testing import terminate
-from celery_dlock.zookeeper import close_all as zk_close_all
 from tests.support.clients import client
 from tests.support.zookeeper import skip_reason as zk_skip_reason
 from tests.support.zookeeper import standalone

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from celery_dlock import registry
+from celery_dlock.core import registry
 from tests.support.clients import client
 from tests.support.workers import Journal, Worker, use_lock_urls
 
@@ -35,7 +35,7 @@ class Mode:
     def clear_locks(self) -> None:
         """Empty the lock store (FLUSHDB on each Redis; the chroot on ZooKeeper)."""
         if self.zookeeper:
-            from celery_dlock.zookeeper import parse
+            from celery_dlock.backends.zookeeper import parse
             from tests.support.zookeeper import wipe
 
             url = parse(self.lock_urls[0])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from celery_dlock import registry
+from celery_dlock.core import registry
 from tests.support.clients import client
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@ package registers the ``zookeeper://`` scheme (until config.BACKENDS lists it)."
 
 from __future__ import annotations
 
-import celery_dlock.zookeeper  # noqa: F401  (registers the scheme)
+import celery_dlock.backends.zookeeper  # noqa: F401  (registers the scheme)
 from tests.support.worker_app import app
 
 __all__ = ["app"]

@@ -293,7 +293,7 @@ def delete_holder(url: str, key: str) -> bool:
     from kazoo.client import KazooClient
     from kazoo.exceptions import NoNodeError
 
-    from celery_dlock.zookeeper import ZooKeeperBackend
+    from celery_dlock.backends.zookeeper import ZooKeeperBackend
 
     backend = ZooKeeperBackend(url)
     client = KazooClient(hosts=backend.url.connect_string, timeout=5.0)

@@ -1,4 +1,4 @@
-"""The key builder (``celery_dlock.keys``) on its own: canonical values, arguments it cannot
+"""The key builder (``celery_dlock.celery.keys``) on its own: canonical values, arguments it cannot
 key, long keys, and the three ways to name a key (a list, a template, a callable)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from celery_dlock import ConfigError
-from celery_dlock.keys import LONG_KEY, KeyBuilder
+from celery_dlock.celery.keys import LONG_KEY, KeyBuilder
 
 
 def test_canonical_values() -> None:

@@ -6,11 +6,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_dlock.holder import Holder, value_head
-from celery_dlock.redis import decisions
-from celery_dlock.redis.decisions import ABSENT, EXTENDED, RETAKEN, REVOKED, TAKEN
-from celery_dlock.redis.inspection import holder_of
-from celery_dlock.redis.transport import CoolingDown
+from celery_dlock.backends.redis import decisions
+from celery_dlock.backends.redis.decisions import ABSENT, EXTENDED, RETAKEN, REVOKED, TAKEN
+from celery_dlock.backends.redis.inspection import holder_of
+from celery_dlock.backends.redis.transport import CoolingDown
+from celery_dlock.core.holder import Holder, value_head
 
 
 def with_length(raw: bytes, pttl: int) -> tuple[bytes, int, int]:

@@ -8,10 +8,10 @@ import json
 from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
-from celery_dlock.zookeeper import decisions, fencing
-from celery_dlock.zookeeper.decisions import ADOPT, GONE, REFUSE, WAIT, WON
-from celery_dlock.zookeeper.inspection import endpoints
-from celery_dlock.zookeeper.nodes import (
+from celery_dlock.backends.zookeeper import decisions, fencing
+from celery_dlock.backends.zookeeper.decisions import ADOPT, GONE, REFUSE, WAIT, WON
+from celery_dlock.backends.zookeeper.inspection import endpoints
+from celery_dlock.backends.zookeeper.nodes import (
     expires_ms,
     in_line,
     key_name,
@@ -21,7 +21,7 @@ from celery_dlock.zookeeper.nodes import (
     task_hash,
     timed_data,
 )
-from celery_dlock.zookeeper.url import parse
+from celery_dlock.backends.zookeeper.url import parse
 
 
 def stat(*, czxid: int = 1, ctime: int = 0, version: int = 0, pzxid: int = 0) -> ZnodeStat:

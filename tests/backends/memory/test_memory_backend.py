@@ -19,8 +19,8 @@ from celery._state import _set_task_join_will_block
 from freezegun import freeze_time
 
 from celery_dlock import ConfigError, LockContended, LockLost, lock
-from celery_dlock.clock import real_clock
-from celery_dlock.memory import check_worker, store
+from celery_dlock.backends.memory import check_worker, store
+from celery_dlock.core.clock import real_clock
 
 _tables = itertools.count()
 

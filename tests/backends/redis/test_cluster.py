@@ -19,13 +19,13 @@ import pytest
 import redis
 
 from celery_dlock import ConfigError, LockContended, LockUnavailable, lock
-from celery_dlock.holder import value_head
-from celery_dlock.redis import scripts
-from celery_dlock.redis.diagnose import acl_rules
-from celery_dlock.redis.ending import void_key
-from celery_dlock.redis.inspection import revoked_key
-from celery_dlock.redis.redlock import LockManager
-from celery_dlock.registry import manager_for
+from celery_dlock.backends.redis import scripts
+from celery_dlock.backends.redis.diagnose import acl_rules
+from celery_dlock.backends.redis.ending import void_key
+from celery_dlock.backends.redis.inspection import revoked_key
+from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.core.holder import value_head
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import free_port
 from tests.ops.test_cli import dlock
 from tests.support.celery_fixtures import Mode, with_db

@@ -78,7 +78,7 @@ def test_two_names_for_one_server_are_refused_for_a_user_with_the_documented_acl
 ) -> None:
     """A lock user made as docs/topologies.md says (``acl_rules()``, least privilege) must
     still let the servers say who they are: a server that denies INFO is not checked."""
-    from celery_dlock.redis.diagnose import acl_rules
+    from celery_dlock.backends.redis.diagnose import acl_rules
 
     for server in servers[:2]:
         client(server.url).execute_command(

@@ -46,10 +46,10 @@ from hypothesis.stateful import (
 )
 
 from celery_dlock import LockContended, LockUnavailable
-from celery_dlock.config import drift
-from celery_dlock.lease import Lease
-from celery_dlock.redis.redlock import LockManager
-from celery_dlock.registry import manager_for
+from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.core.config import drift
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import RedisServer
 
 pytestmark = [pytest.mark.local_redis, pytest.mark.slow]

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_dlock.config import Settings
-from celery_dlock.errors import LockContended
-from celery_dlock.redis.redlock import LockManager
+from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.core.config import Settings
+from celery_dlock.core.errors import LockContended
 from tests.support.clients import client
 
 DAY_MS = 86_400_000
@@ -313,8 +313,8 @@ def test_a_redlock_fence_write_back_keeps_the_acquisitions_own_retention(
 #: blocks on the signal list: a pause the test then ends with SIGCONT.
 _PAUSED_WAITER = """
 import os, signal, sys
-import celery_dlock.redis.redlock as redlock
-from celery_dlock.config import Settings
+import celery_dlock.backends.redis.redlock as redlock
+from celery_dlock.core.config import Settings
 real = redlock.blocking_pop
 def paused(node, key, seconds):
     print("blocking", flush=True)

@@ -15,8 +15,8 @@ import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, SingletonTask, lock
-from celery_dlock.lease import Lease
-from celery_dlock.registry import manager_for
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import free_port
 from tests.project.test_docs import topology_examples
 from tests.support.sentinel import Group, poll, sentinel_group

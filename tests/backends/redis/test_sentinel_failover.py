@@ -28,10 +28,10 @@ import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockLost, LockUnavailable, lock
-from celery_dlock.config import Settings
-from celery_dlock.lease import Lease
-from celery_dlock.redis import nodes
-from celery_dlock.redis.redlock import LockManager
+from celery_dlock.backends.redis import nodes
+from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.core.config import Settings
+from celery_dlock.core.lease import Lease
 from tests.support.celery_fixtures import with_db
 from tests.support.clients import client
 from tests.support.sentinel import Group, poll, sentinel_group

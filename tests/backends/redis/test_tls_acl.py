@@ -2,8 +2,8 @@
 
 Three redis-servers, each behind a :class:`tests.support.tls.TlsProxy` that requires a client
 certificate; on each, an ACL user made with exactly the rules the docs give
-(:func:`celery_dlock.redis.diagnose.acl_rules`). Every misconfiguration gets an error that names the
-URL (password hidden) and the fix.
+(:func:`celery_dlock.backends.redis.diagnose.acl_rules`). Every misconfiguration gets an error that
+names the URL (password hidden) and the fix.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import redis
 from celery import Celery
 
 from celery_dlock import LockContended, LockUnavailable, SingletonTask, lock
-from celery_dlock.redis.connecting import stale as _stale
-from celery_dlock.redis.diagnose import ACL_COMMANDS, acl_rules
-from celery_dlock.redis.nodes import Node
-from celery_dlock.registry import manager_for
+from celery_dlock.backends.redis.connecting import stale as _stale
+from celery_dlock.backends.redis.diagnose import ACL_COMMANDS, acl_rules
+from celery_dlock.backends.redis.nodes import Node
+from celery_dlock.core.registry import manager_for
 from celery_dlock.testing import RedisServer, redis_servers
 from tests.ops.test_cli import dlock as dlock_cli
 from tests.support.tls import Certificates, TlsProxy, make_certificates, tls_url

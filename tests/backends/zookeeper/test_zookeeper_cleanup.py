@@ -13,8 +13,8 @@ from functools import partial
 
 import pytest
 
-from celery_dlock.errors import LockUnavailable
-from celery_dlock.zookeeper import ZooKeeperBackend, close_all
+from celery_dlock.backends.zookeeper import ZooKeeperBackend, close_all
+from celery_dlock.core.errors import LockUnavailable
 from tests.support.zookeeper import (
     FaultProxy,
     ZkServer,

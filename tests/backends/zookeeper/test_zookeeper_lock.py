@@ -22,13 +22,14 @@ from typing import Any
 import pytest
 
 from celery_dlock import lock
-from celery_dlock.backend import Backend
-from celery_dlock.config import Settings, backend_module
-from celery_dlock.errors import ConfigError, LockContended, LockLost
-from celery_dlock.lease import Lease
-from celery_dlock.zookeeper import ZkLease, ZooKeeperBackend, close_all, parse
-from celery_dlock.zookeeper.acquire import renew_every
-from celery_dlock.zookeeper.session import shared
+from celery_dlock.backends.zookeeper import ZkLease, ZooKeeperBackend, close_all, parse
+from celery_dlock.backends.zookeeper.acquire import renew_every
+from celery_dlock.backends.zookeeper.session import shared
+from celery_dlock.core.backend import Backend
+from celery_dlock.core.config import Settings
+from celery_dlock.core.errors import ConfigError, LockContended, LockLost
+from celery_dlock.core.lease import Lease
+from celery_dlock.core.urls import backend_module
 from tests.support.zookeeper import (
     Ensemble,
     FaultProxy,
@@ -808,7 +809,7 @@ def test_a_holder_whose_listing_crossed_a_waiters_removal_of_the_watch_hears_of_
     first in line at once, relies on that watch to hear that its node was deleted. Replies
     are delayed by a relay so that B's listing is answered after A's removal went out, as a
     busy process may see. A forced release of B's node must still be noticed."""
-    from celery_dlock.zookeeper.entry import Attempt
+    from celery_dlock.backends.zookeeper.entry import Attempt
 
     chroot = f"t-{uuid.uuid4().hex[:8]}"
     delay = 0.5

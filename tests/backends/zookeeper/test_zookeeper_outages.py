@@ -24,9 +24,9 @@ import pytest
 from kazoo.protocol.connection import ConnectionHandler
 from kazoo.protocol.serialization import Watch
 
-from celery_dlock.errors import LockContended, LockUnavailable
-from celery_dlock.zookeeper import ZkLease, ZooKeeperBackend, close_all
-from celery_dlock.zookeeper.nodes import parse_name
+from celery_dlock.backends.zookeeper import ZkLease, ZooKeeperBackend, close_all
+from celery_dlock.backends.zookeeper.nodes import parse_name
+from celery_dlock.core.errors import LockContended, LockUnavailable
 from tests.support.zookeeper import (
     START_TIMEOUT,
     Ensemble,

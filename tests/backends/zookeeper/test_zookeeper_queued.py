@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from celery_dlock.errors import LockContended
-from celery_dlock.lease import Lease
-from celery_dlock.zookeeper import ZooKeeperBackend, close_all
-from celery_dlock.zookeeper.nodes import parse_name
+from celery_dlock.backends.zookeeper import ZooKeeperBackend, close_all
+from celery_dlock.backends.zookeeper.nodes import parse_name
+from celery_dlock.core.errors import LockContended
+from celery_dlock.core.lease import Lease
 from tests.support.celery_fixtures import make_mode, point_at_broker, submit_concurrently
 from tests.support.workers import Journal, Worker, use_lock_urls
 from tests.support.zookeeper import ZkServer, ensemble, skip_reason, standalone, until
@@ -61,7 +61,7 @@ def in_other_process(url: str, code: str) -> str:
     (closing its session): its stdout."""
     program = "\n".join(
         [
-            "from celery_dlock.zookeeper import ZooKeeperBackend",
+            "from celery_dlock.backends.zookeeper import ZooKeeperBackend",
             f"b = ZooKeeperBackend({url!r})",
             code,
         ]

@@ -26,11 +26,11 @@ import trustme
 from cryptography.hazmat.primitives import serialization
 
 from celery_dlock import lock
-from celery_dlock.config import backend_module
-from celery_dlock.errors import ConfigError, LockUnavailable
-from celery_dlock.zookeeper import ZooKeeperBackend, close_all, parse
-from celery_dlock.zookeeper.session import shared
-from celery_dlock.zookeeper.url import ZkTls
+from celery_dlock.backends.zookeeper import ZooKeeperBackend, close_all, parse
+from celery_dlock.backends.zookeeper.session import shared
+from celery_dlock.backends.zookeeper.url import ZkTls
+from celery_dlock.core.errors import ConfigError, LockUnavailable
+from celery_dlock.core.urls import backend_module
 from tests.support.zookeeper import (
     JAR,
     JAVA_OPTS,
@@ -418,7 +418,7 @@ def test_the_tls_options_round_trip_into_the_parsed_url_and_kazoo(pems: Pems) ->
     assert parse("zookeepers://h1/x?ssl_cert_reqs=optional").kazoo_args()["verify_certs"] is True
     assert parse("zookeeper://h1/x").tls is None
     assert parse("zookeeper://h1/x").kazoo_args() == {}
-    assert backend_module(["zookeepers://h1/x"]).__name__ == "celery_dlock.zookeeper"
+    assert backend_module(["zookeepers://h1/x"]).__name__ == "celery_dlock.backends.zookeeper"
 
 
 def test_a_certificate_file_with_its_key_needs_no_ssl_keyfile(pems: Pems) -> None:
