@@ -22,6 +22,7 @@ from celery_dlock.backends.redis.resends import Resend
 from celery_dlock.backends.redis.sending import send_script
 from celery_dlock.backends.redis.transport import run_script
 from celery_dlock.core.config import check_key
+from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.holder import head_nonce, value_head
 from celery_dlock.core.lease import Lease
 from celery_dlock.core.renewal import watchdog
@@ -68,29 +69,45 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
         until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
         silent = lease._silent if isinstance(lease, decisions.RedisLease) else None
         owed = [m.nodes[i] for i in silent] if silent else []
-        if not wait:
-            head = lease.head
-            ttl_ms = ms(lease.ttl)
-            nonce = head_nonce(head)
-            script_keys = (keys[0], keys[2], waiting_key(keys[0]))
-            owner = owner_prefix(head)
-            # Sent again if it may have been lost with its connection: waking a waiter
-            # only if the key was still there (the first one may have landed).
-            resend: Resend = ("release", script_keys, (owner, ttl_ms, "2", nonce), until)
-            args = (owner, ttl_ms, "1", nonce)
-            missed = send_script(m.nodes, "release", script_keys, args, resend)
-            if missed:
-                owed += missed
-            replies: list[Reply] = []
-        else:
-            replies = release_on(m, m.nodes, keys, lease.head, lease.ttl, wake=True)
-            if any(isinstance(r, BaseException) for r in replies):
-                owed += [n for n, r in zip(m.nodes, replies, strict=True) if decisions.failed(r)]
-        if owed:
-            # Each node the release did not reach, or that may still run a stale acquire
-            # or renewal of this lease, gets its delete from the janitor until it lands.
-            late_keys, late_args = late_release(lease, keys)
-            janitor.release(list(dict.fromkeys(owed)), late_keys, late_args, until, lease.ttl)
+        try:
+            if not wait:
+                head = lease.head
+                ttl_ms = ms(lease.ttl)
+                nonce = head_nonce(head)
+                script_keys = (keys[0], keys[2], waiting_key(keys[0]))
+                owner = owner_prefix(head)
+                # Sent again if it may have been lost with its connection: waking a waiter
+                # only if the key was still there (the first one may have landed).
+                resend: Resend = ("release", script_keys, (owner, ttl_ms, "2", nonce), until)
+                args = (owner, ttl_ms, "1", nonce)
+                missed = send_script(m.nodes, "release", script_keys, args, resend)
+                if missed:
+                    owed += missed
+                replies: list[Reply] = []
+            else:
+                replies = release_on(m, m.nodes, keys, lease.head, lease.ttl, wake=True)
+                if any(isinstance(r, BaseException) for r in replies):
+                    pairs = zip(m.nodes, replies, strict=True)
+                    owed += [n for n, r in pairs if decisions.failed(r)]
+            if owed:
+                # Each node the release did not reach, or that may still run a stale acquire
+                # or renewal of this lease, gets its delete from the janitor until it lands.
+                late_keys, late_args = late_release(lease, keys)
+                janitor.release(list(dict.fromkeys(owed)), late_keys, late_args, until, lease.ttl)
+        except ConfigError as exc:
+            # Two URLs reach one server, found only now (one address did not answer when the
+            # lease was taken, so the check at acquire could not see it): the node set refuses
+            # to send, and a release never raises. The renewal has reported the lease lost
+            # for this reason; each copy of the key expires within its ttl.
+            log_release.warning(
+                "release of key=%s token=%s not sent: %s; it expires within %g s",
+                lease.key,
+                lease.token,
+                exc,
+                lease.ttl,
+            )
+            lease.announce_released(False if wait else None)
+            return False
     confirmed = sum(1 for r in replies if r == 1) >= m.quorum if wait else None
     lease.announce_released(confirmed)
     if confirmed is None:

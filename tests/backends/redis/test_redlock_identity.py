@@ -89,3 +89,22 @@ def test_two_names_for_one_server_are_refused_for_a_user_with_the_documented_acl
     with pytest.raises(ConfigError) as info, lock(urls, "acl-one-server", ttl=5):
         pytest.fail("acquired with one server counted twice")
     assert "reach the same Redis server" in str(info.value), str(info.value)
+
+
+def test_a_release_that_meets_a_late_twin_does_not_raise(servers: list[RedisServer]) -> None:
+    """The twin address is down when the lease is taken and answers by the release, once its
+    cool-down has passed: the release finds two URLs reaching one server and does not send,
+    but returns False (a release never raises; the copies expire within the ttl)."""
+    from celery_dlock.core.registry import manager_for
+
+    a, b = servers[0], servers[1]
+    urls = [a.url, b.url, f"redis://127.0.0.2:{a.port}/0"]
+    manager = manager_for(urls)
+    lease = manager.acquire("release-twin", ttl=30, renew=False)
+    client(a.url).config_set("bind", "127.0.0.1 127.0.0.2")  # the twin is up now
+    twin = manager.nodes[2]
+    deadline = time.monotonic() + 30
+    while twin.down:  # the acquire's failure put it in a cool-down: the release tries it after
+        assert time.monotonic() < deadline, "the twin never left its cool-down"
+        time.sleep(0.05)
+    assert lease.release() is False
