@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
 import threading
 import time
 import weakref
@@ -59,15 +58,11 @@ from celery.utils.time import maybe_iso8601
 from celery_dlock.celery.beat import mark_send
 from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
 from celery_dlock.core.backend import Backend, PendingLease
+from celery_dlock.core.clock import jitter
 from celery_dlock.core.errors import LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, head_nonce
 from celery_dlock.core.lease import Lease
 from celery_dlock.core.signals import lock_contended
-
-#: Jitter for retry sleeps, drawn from the OS: never from (or into) the application's global
-#: ``random`` state, which a user's seeded or property-based tests rely on, and different in
-#: each forked worker process without reseeding.
-_jitter = random.SystemRandom()
 
 # The task's logger: these lines are about its publishes (docs/operations.md lists it).
 log = logging.getLogger("celery_dlock.task")
@@ -477,7 +472,7 @@ def _after_refusal(
         # Redlock contenders collided and nobody holds a majority yet; one of them soon
         # will. Look again rather than publish a second message for the key.
         looks.splits += 1
-        time.sleep(_jitter.uniform(0.0, 0.01 * looks.splits))
+        time.sleep(jitter(0.0, 0.01 * looks.splits))
         return None
     if holder is None and refusal.retry_after is None:
         # Still no majority after every look: logged, as every other such publish.

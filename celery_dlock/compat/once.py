@@ -9,7 +9,6 @@ Reads what celery-once 3.0.1 reads: ``app.conf.ONCE = {"backend": ..., "settings
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,14 +29,10 @@ from celery_dlock.compat.peer import (
     held_by_own_id,
 )
 from celery_dlock.core.backend import Backend
+from celery_dlock.core.clock import jitter
 from celery_dlock.core.config import check_seconds, settings_from_app
 from celery_dlock.core.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.core.registry import manager_for, manager_for_settings
-
-#: Jitter for retry sleeps, drawn from the OS: never from (or into) the application's global
-#: ``random`` state, which a user's seeded or property-based tests rely on, and different in
-#: each forked worker process without reseeding.
-_jitter = random.SystemRandom()
 
 #: celery-once's Redis backend, under the names it can be given by.
 _REDIS_BACKENDS = ("celery_once.backends.Redis", "celery_once.backends.redis.Redis")
@@ -300,7 +295,7 @@ class QueueOnce(PeerTask):
                     break
                 # Blocking mode: look again until the key frees or the wait runs out.
                 left = pause if deadline is None else min(pause, deadline - time.monotonic())
-                time.sleep(max(0.0, _jitter.uniform(left / 2, left)))
+                time.sleep(max(0.0, jitter(left / 2, left)))
                 pause = min(pause * 2, 0.5)
         finally:
             _call.once = None

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -46,7 +45,7 @@ from celery_dlock.backends.redis.scripts import MAX_TOKEN
 from celery_dlock.backends.redis.sending import send_deferred
 from celery_dlock.backends.redis.transport import blocking_pop, run_script
 from celery_dlock.core.backend import BaseBackend
-from celery_dlock.core.clock import real_clock
+from celery_dlock.core.clock import jitter, real_clock
 from celery_dlock.core.config import (
     Settings,
     drift,
@@ -56,11 +55,6 @@ from celery_dlock.core.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, LockInfo, head_nonce, value_head
 from celery_dlock.core.lease import Lease, LostCallback
 from celery_dlock.core.renewal import announce_won, watchdog
-
-#: Jitter for retry sleeps, drawn from the OS: never from (or into) the application's global
-#: ``random`` state, which a user's seeded or property-based tests rely on, and different in
-#: each forked worker process without reseeding.
-_jitter = random.SystemRandom()
 
 log_acquire = logging.getLogger("celery_dlock.acquire")
 log_release = logging.getLogger("celery_dlock.release")
@@ -197,7 +191,7 @@ class LockManager(BaseBackend):
                 # caller that will not wait gets a few more tries, at random delays, as Redlock
                 # retries a split vote (https://redis.io/docs/latest/develop/use/distributed-locks/).
                 splits += 1
-                time.sleep(_jitter.uniform(0.0, 0.005 * splits))
+                time.sleep(jitter(0.0, 0.005 * splits))
             else:
                 left = None
                 if give_up is not None and real_end is not None:
@@ -488,7 +482,7 @@ class LockManager(BaseBackend):
         if refusal.split:
             # Contenders collided and each holds a minority: back off at random, as Redlock
             # does, so one of them wins the next round.
-            time.sleep(_jitter.uniform(0.0, 0.01 + 0.002 * len(self.nodes)))
+            time.sleep(jitter(0.0, 0.01 + 0.002 * len(self.nodes)))
             return None
         expiry = ttl if refusal.retry_after is None else refusal.retry_after + 0.001
         until = (
