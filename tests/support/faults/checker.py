@@ -205,22 +205,29 @@ def _check_detection(
     faults: list[dict[str, Any]],
     bound: float,
 ) -> None:
-    causes = sorted(f["t"] for f in faults)
+    causes = sorted((f["t"], f["kind"]) for f in faults)
     for e in entries:
         if e["event"] != "lost":
             continue
         report.losses += 1
         run = next((r for r in runs if r.key == e["key"] and r.token == e.get("token")), None)
-        before = [t for t in causes if t <= e["t"]]
-        candidates = [e["t"] - t for t in before[-3:]]
+        before = [c for c in causes if c[0] <= e["t"]]
+        candidates = [e["t"] - t for t, _ in before[-3:]]
         if run is not None and run.valid_until and run.valid_until <= e["t"]:
             candidates.append(e["t"] - run.valid_until)
         delay = min(candidates) if candidates else None
         if delay is None or delay > bound:
+            # What a reader needs to tell a slow watchdog from a cause the checker missed.
+            nearest = f"nearest fault {before[-1][1]} at {before[-1][0]:.3f}" if before else ""
+            evidence = (
+                "no execution started with this token"
+                if run is None
+                else f"execution {run.start:.3f}-{run.end}, valid until {run.valid_until:.3f}"
+            )
             report.slow_detections.append(
                 f"{e['key']} token {e.get('token')}: lost at {e['t']:.3f}, "
                 f"{'no fault before it' if delay is None else f'{delay:.3f} s after its cause'}"
-                f" ({e.get('reason')})"
+                f" ({e.get('reason')}; {nearest}; {evidence})"
             )
         else:
             report.detection_seconds.append(delay)
