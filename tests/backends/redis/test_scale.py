@@ -519,3 +519,21 @@ def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
     # At the expiry, at most 1.5 s after the last renewal (plus the look's round trips), not
     # a block later.
     assert got[0] - died < 2 * ttl_ms / 1000, got[0] - died
+
+
+def test_a_waiter_marker_lasts_no_longer_than_the_wait_beyond_one_block(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # docs/guarantees.md: on one Redis a refusal's marker covers up to ten blocks, but not
+    # more than the caller's wait: a caller that waits half a second leaves no 5 s marker.
+    plain = client(single_urls[0])
+    holder = manager.acquire("brief", ttl=0.5, renew=False)  # gone before the wait ends
+    plain.pexpire("dlock:{brief}", 60_000)  # a holder with a minute left
+    try:
+        with pytest.raises(LockContended):
+            manager.acquire("brief", ttl=5, wait=0.5, renew=False)
+        left = plain.pttl("dlock:{brief}:waiting")
+    finally:
+        holder.release()
+    # One block (the holder's minute) + the wait (0.5 s) + 1 s, from the last refusal.
+    assert 0 < left <= 60_000 + 500 + 1000, left
