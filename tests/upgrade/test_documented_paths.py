@@ -16,17 +16,23 @@ import pytest
 
 # (module, name, where c53a04b showed it)
 DOCUMENTED = [
-    ("celery_dlock", "SingletonTask", "README.md, docs/*.md"),
+    ("celery_dlock", "SingletonTask", "README.md, docs/migrating.md"),
     ("celery_dlock", "Lease", "example_project/lock_tour.py"),
     ("celery_dlock.lease", "Lease", "example_project/lock_tour.py"),
-    ("celery_dlock.testing", "redis_servers", "docs/testing.md"),
+    ("celery_dlock.testing", "redis_servers", "example_project/lock_tour.py, demo.py"),
     ("celery_dlock.compat", "QueueOnce", "docs/migrating.md"),
-    ("celery_dlock.compat", "Singleton", "docs/migrating.md"),
+    ("celery_dlock.compat", "AlreadyQueued", "docs/migrating.md"),
+    ("celery_dlock.compat", "Singleton", "docs/migrating.md, docs/index.md"),
+    ("celery_dlock.compat", "DuplicateTaskError", "docs/migrating.md"),
     ("celery_dlock.compat", "clear_locks", "docs/migrating.md"),
     ("celery_dlock.admin", "check", "docs/configuration.md"),
-    ("celery_dlock.task", "SingletonTask", "task_cls='celery_dlock.task:SingletonTask'"),
-    ("celery_dlock.beat", "LeaderScheduler", "celery beat -S celery_dlock.beat:LeaderScheduler"),
-    ("celery_dlock.cli", "dlock", "the celery.commands entry point"),
+    (
+        "celery_dlock.beat",
+        "LeaderScheduler",
+        "docs: celery beat -S celery_dlock.beat:LeaderScheduler",
+    ),
+    ("celery_dlock.cli", "dlock", "pyproject: the celery.commands entry point"),
+    ("celery_dlock.task", "SingletonTask", "settings: task_cls='celery_dlock.task:SingletonTask'"),
 ]
 
 
