@@ -39,14 +39,13 @@ lock and runs once the key is free (:func:`_from_running_body`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol
 
@@ -57,8 +56,7 @@ from celery.utils.time import maybe_iso8601
 
 from celery_dlock.celery.beat import mark_send
 from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
-from celery_dlock.core.backend import Backend, PendingLease
-from celery_dlock.core.clock import jitter
+from celery_dlock.core.backend import LOOK_AGAIN, Backend, PendingLease
 from celery_dlock.core.errors import LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, head_nonce
 from celery_dlock.core.lease import Lease
@@ -449,10 +447,8 @@ def queue_lock(
 class _Looks:
     """What one publish has tried so far for its queued lock (the loop of :func:`queue_lock`)."""
 
-    #: Looks again after Redlock contenders collided with nobody holding a majority.
-    splits: int = 0
-    #: Holders that had not settled and went away before they did (Redlock).
-    confirms: int = 0
+    #: The backend's counts of looks again, by reason (:meth:`Backend.duplicate_of`).
+    backend: dict[str, int] = field(default_factory=dict)
     #: Whether the holder's task was already checked for a revoke.
     revoked_checked: bool = False
 
@@ -468,40 +464,29 @@ def _after_refusal(
     """What a refused attempt at the queued lock leads to: ``None`` to try again, else what
     the message goes out with (merged into the holder, or without its queued lock)."""
     holder = refusal.holder
-    if holder is None and refusal.retry_after is None and looks.splits < QUEUE_SPLIT_RETRIES:
-        # Redlock contenders collided and nobody holds a majority yet; one of them soon
-        # will. Look again rather than publish a second message for the key.
-        looks.splits += 1
-        time.sleep(jitter(0.0, 0.01 * looks.splits))
-        return None
-    if holder is None and refusal.retry_after is None:
-        # Still no majority after every look: logged, as every other such publish.
-        return _unlocked(
-            task, task_id, f"no majority of the lock nodes agrees on a holder of {key!r}"
-        )
-    if holder is None or holder.task_id is None:  # held, but not by a task: publish anyway
-        return Queued(None, None)
-    if not looks.revoked_checked and holder.queued and _revoked(task, holder.task_id):
+    if (
+        holder is not None
+        and holder.task_id is not None
+        and holder.queued
+        and not looks.revoked_checked
+        and _revoked(task, holder.task_id)
+    ):
         # The queued task was revoked before any worker saw it: its lock (that one
         # acquisition, not whatever holds the key by then) is free to go.
         looks.revoked_checked = True
         manager.release_nonce(key, holder.nonce)
         return None
-    if holder.queued and manager.settle_time and _results_kept(task):
-        # The holder's attempt may yet be undone (Redlock: it missed a reply), and its task
-        # id then never published. Merge only into one the backend confirms.
-        try:
-            confirmed = manager.confirm_holder(key, holder, functools.partial(_ran, task))
-        except LockUnavailable as exc:
-            return _unlocked(task, task_id, exc)
-        if not confirmed:
-            looks.confirms += 1
-            if looks.confirms < CONFIRM_TRIES:
-                return None
-            return _unlocked(
-                task, task_id, f"the holders of {key!r} kept changing before they settled"
-            )
-    return _merged(task, key, task_id, holder)
+    try:
+        # The backend says whom to merge into: it may look again first (a holder not named
+        # yet, or one that may still be undone).
+        found = manager.duplicate_of(key, refusal, looks.backend, _Results(task))
+    except LockUnavailable as exc:
+        return _unlocked(task, task_id, exc)
+    if found is LOOK_AGAIN:
+        return None
+    if found is None or found.task_id is None:  # held, but not by a task: publish anyway
+        return Queued(None, None)
+    return _merged(task, key, task_id, found)
 
 
 def _unlocked(task: Publisher, task_id: str, why: object) -> Queued:
@@ -583,6 +568,20 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
     return Queued(None, holder.task_id)
 
 
+class _Results:
+    """What the backend may ask about a holder's task (:class:`TaskResults`): the task's
+    result backend, read only when the backend asks (a holder that may still be undone)."""
+
+    def __init__(self, task: Publisher) -> None:
+        self.task = task
+
+    def kept(self) -> bool:
+        return _results_kept(self.task)
+
+    def ran(self, task_id: str | None) -> bool:
+        return _ran(self.task, task_id)
+
+
 def _results_kept(task: Publisher) -> bool:
     """Whether a caller can wait on the task id a duplicate merges into: the task keeps its
     results where any publisher can read them. Else merging into an attempt undone later
@@ -591,7 +590,7 @@ def _results_kept(task: Publisher) -> bool:
     ``rpc://`` sends a result to the reply queue of the process that sent the task only."""
     if getattr(task, "ignore_result", False):
         return False
-    from celery.backends.rpc import RPCBackend  # only on Redlock's path: kept off import
+    from celery.backends.rpc import RPCBackend  # only where a holder may be undone: kept off import
 
     try:
         return not isinstance(task.backend, DisabledBackend | RPCBackend)
@@ -608,16 +607,6 @@ def _ran(task: Publisher, task_id: str | None) -> bool:
     except Exception:  # no result backend, or it is down: not known to have run
         return False
     return state not in (states.PENDING, states.REVOKED)
-
-
-#: Holders that had not settled and went away (undone) before a duplicate publishes without
-#: its queued lock (each try waits at most ``settle_time``, twice that for a holder seen gone).
-CONFIRM_TRIES = 3
-
-
-#: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
-#: contenders for a queued lock collided, on top of the acquire's own retries.
-QUEUE_SPLIT_RETRIES = 10
 
 
 #: Holder ids recently found not revoked: a storm of duplicates reads the backend once a
