@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from celery_dlock import admin
 from celery_dlock.celery import beat as _beat  # noqa: F401  (connects the beat_init receiver)
+from celery_dlock.celery import broker as _broker  # noqa: F401  (the broker URL as lock URLs)
 from celery_dlock.celery import hooks as _hooks  # noqa: F401  (connects the Celery signal receivers)
 from celery_dlock.celery.task import SingletonTask
 from celery_dlock.core.config import DLockConfigWarning
