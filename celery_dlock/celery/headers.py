@@ -15,6 +15,6 @@ HEADER_REDELIVERED = "dlock_redelivered"  # requeues of a redelivered copy of a 
 HEADER_TICK = "dlock_tick"  # "<entry name>:<slot index>" of a beat send
 HEADER_BEAT = "dlock_beat"  # "<host>:<pid>" of the beat process that sent it
 
-#: The headers a worker's requeue of a message adds (SingletonTask._requeue): a message carrying
+#: The headers a worker's requeue of a message adds (duplicates.requeue): a message carrying
 #: one was judged by the worker already, and is never taken for a new call at publish.
 REQUEUE_HEADERS = (HEADER_REQUEUES, HEADER_UNAVAILABLE, HEADER_REDELIVERED)
