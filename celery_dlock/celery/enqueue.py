@@ -25,7 +25,7 @@ the callbacks run (:func:`_waited_on`).
 
 Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
 process that did not import the task) reach step 3 with no early acquisition: the receiver
-finds the task by name in the sending app (:func:`register_enqueue_task`, :func:`enqueue_app`) and
+finds the task by name in the sending app (:mod:`celery_dlock.celery.senders`) and
 :func:`lock_unlabelled` takes the queued lock, or marks the message a duplicate in its
 headers, which the worker then drops without running the body.
 
@@ -43,19 +43,16 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, NamedTuple, Protocol
 
 from celery import states
 from celery.backends.base import DisabledBackend
 from celery.utils import uuid
-from celery.utils.time import maybe_iso8601
 
 from celery_dlock.celery.beat import mark_send
-from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
+from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, parse_time, queued_ttl
 from celery_dlock.core.backend import LOOK_AGAIN, Backend, PendingLease
 from celery_dlock.core.errors import LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, head_nonce
@@ -232,7 +229,7 @@ def send_queue_lock(
         return None
     if _running_lease(task, key) is not None:
         return None
-    ttl = queued_ttl(task, options)
+    ttl = queued_ttl(task._queued_ttl(options), options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
     if pending is None:
         return None
@@ -281,67 +278,12 @@ def _unsubscribe(task: Publisher, task_id: str) -> None:
         log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
 
 
-#: Enqueue-time singleton task name -> the apps that registered it (SingletonTask.bind), in
-#: order. Celery copies a shared task into every app finalized later, each copy with its app's
-#: settings: a message sent by name is checked with the sending app's copy.
-_enqueue_owners: dict[str, list[weakref.ref[Any]]] = {}
-#: Task names whose message by name could not be matched to one app (warned once each).
-_ambiguous_warned: set[str] = set()
-
-
-def register_enqueue_task(name: str, app: Any) -> None:
-    """Note that ``app`` has enqueue-time task ``name`` (its messages sent by name are locked)."""
-    owners = [ref for ref in _enqueue_owners.get(name, ()) if ref() is not None]
-    if not any(ref() is app for ref in owners):
-        owners.append(weakref.ref(app))
-    _enqueue_owners[name] = owners
-
-
-def enqueue_apps(name: Any) -> list[Any]:
-    """The live apps that registered enqueue-time task ``name``, in order."""
-    refs = _enqueue_owners.get(name, ()) if isinstance(name, str) else ()
-    return [app for app in (ref() for ref in refs) if app is not None]
-
-
-def enqueue_app(name: Any, reply_to: Any = None) -> Any:
-    """The app whose enqueue-time task ``name`` checks a message sent by name, or None.
-
-    With one app registering ``name``, that app. With several, the one sending: Celery's
-    ``send_task`` sets the message's ``reply_to`` to the sending app's ``thread_oid`` (per app
-    and thread), unless the caller gave one. When none of them matches, the message cannot be
-    told apart without guessing: None (published without its queued lock), with a warning.
-    """
-    apps = enqueue_apps(name)
-    if len(apps) <= 1:
-        return apps[0] if apps else None
-    if reply_to:
-        for app in apps:
-            try:
-                if app.thread_oid == reply_to:
-                    return app
-            except Exception:  # not a Celery app after all: cannot be the sender
-                continue
-    if name not in _ambiguous_warned:
-        _ambiguous_warned.add(name)
-        log.warning(
-            "task %s sent by name (send_task) is registered with lock_on='enqueue' by %d "
-            "Celery apps in this process (%s), and the message does not say which one sends "
-            "it: published without its queued lock (the execution-time lock still keeps runs "
-            "apart). Send it from one of these apps without a reply_to of your own, or call "
-            "the task itself (app.tasks[name].apply_async) instead of send_task.",
-            name,
-            len(apps),
-            ", ".join(repr(app) for app in apps),
-        )
-    return None
-
-
 def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None:
     """In ``before_task_publish``, for a message of ``task`` that did not come through
     :func:`publish`: take its queued lock, or mark it a duplicate of the holder."""
     if not isinstance(body, tuple | list) or len(body) < 2:
         return
-    options = {n: _parse_eta(headers[n]) for n in ("eta", "expires") if headers.get(n)}
+    options = {n: parse_time(headers[n]) for n in ("eta", "expires") if headers.get(n)}
     try:
         wanted = task.lock_key_for(body[0] or (), body[1] or {})
         queued = queue_lock(task, wanted, headers["id"], options)
@@ -354,18 +296,6 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
         headers[HEADER_DUPLICATE_OF] = queued.holder_id
     elif queued.key is not None:
         headers[HEADER_QUEUED] = queued.nonce or 1
-
-
-def _parse_eta(eta: Any) -> Any:
-    """An eta or expires as the worker reads it: a string with Celery's own ISO 8601 parser
-    (dateutil's on Celery 5.7, which takes spellings ``datetime.fromisoformat`` refuses,
-    such as a lowercase ``z``, or on Python 3.10 ``Z`` and ``+0900``); None if unreadable."""
-    if not isinstance(eta, str):
-        return eta
-    try:
-        return maybe_iso8601(eta)
-    except (AttributeError, ValueError, TypeError, OverflowError):
-        return None
 
 
 # -- the queued lock itself --------------------------------------------------------------------
@@ -414,7 +344,7 @@ def queue_lock(
     acquisition, already sent.
     """
     manager = task._dlock().manager
-    ttl = queued_ttl(task, options)
+    ttl = queued_ttl(task._queued_ttl(options), options)
     running = None if early is not None else _running_lease(task, key)
     if running is not None:  # published from the body that holds the key
         return _from_running_body(task, manager, running, key, task_id, ttl)
@@ -628,47 +558,3 @@ def _revoked(task: Publisher, task_id: str) -> bool:
             _not_revoked.clear()
         _not_revoked[task_id] = now
     return revoked
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-#: The shortest life of a queued lock: that of a message already expired when published.
-SHORTEST_QUEUED_TTL = 0.01
-
-
-def queued_ttl(task: Publisher, options: Mapping[str, Any]) -> float:
-    """Seconds the queued lock of a message published with ``options`` lives.
-
-    The task's queued lifetime plus any countdown or eta (a datetime or, as Celery also
-    takes it, an ISO 8601 string); but never past the message's ``expires``: a worker
-    discards the message then, and calls published later must not merge into it.
-    """
-    ttl = task._queued_ttl(options) + _delay_of(options)
-    left = _seconds_until(options.get("expires"), relative=True)
-    if left is not None:
-        ttl = min(ttl, left)
-    return max(ttl, SHORTEST_QUEUED_TTL)
-
-
-def _delay_of(options: Mapping[str, Any]) -> float:
-    """Seconds until a message with these options may run (countdown or eta)."""
-    countdown = options.get("countdown")
-    if countdown:
-        return max(0.0, float(countdown))
-    return max(0.0, _seconds_until(options.get("eta"), relative=False) or 0.0)
-
-
-def _seconds_until(when: Any, *, relative: bool) -> float | None:
-    """Seconds from now until ``when``: a datetime (naive is UTC, as Celery takes it), an ISO
-    8601 string, or with ``relative`` a number of seconds; None when there is none (or it
-    cannot be read: Celery itself refuses such a value when it builds the message)."""
-    if relative and isinstance(when, int | float) and not isinstance(when, bool):
-        return float(when)
-    moment: Any = _parse_eta(when) if isinstance(when, str) else when
-    if not isinstance(moment, datetime):
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return float((moment - _utcnow()).total_seconds())

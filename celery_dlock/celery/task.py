@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, states
 
-from celery_dlock.celery import duplicates, enqueue, interrupt
+from celery_dlock.celery import duplicates, enqueue, interrupt, senders
 from celery_dlock.celery.headers import (
     HEADER_DUPLICATE_OF,
     HEADER_QUEUED,
@@ -143,7 +143,7 @@ class SingletonTask(_TaskBase):
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
         if cls.lock_on == "enqueue" and cls.name:
-            enqueue.register_enqueue_task(cls.name, app)
+            senders.register_enqueue_task(cls.name, app)
         return bound
 
     # -- the running lease ---------------------------------------------------------------------
