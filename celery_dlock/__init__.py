@@ -9,8 +9,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from celery_dlock import admin
 from celery_dlock.celery import beat as _beat  # noqa: F401  (connects the beat_init receiver)
+from celery_dlock.celery import broker as _broker  # noqa: F401  (the broker URL as lock URLs)
 from celery_dlock.celery import hooks as _hooks  # noqa: F401  (connects the Celery signal receivers)
 from celery_dlock.celery.task import SingletonTask
+from celery_dlock.compat import options as _peer_options  # noqa: F401  (refused by SingletonTask)
 from celery_dlock.core.config import DLockConfigWarning
 from celery_dlock.core.guard import LockGuard, lock
 from celery_dlock.core.lease import Lease

@@ -25,7 +25,7 @@ the callbacks run (:func:`_waited_on`).
 
 Messages published without ``SingletonTask.apply_async`` (``send_task`` by name, a beat
 process that did not import the task) reach step 3 with no early acquisition: the receiver
-finds the task by name in the sending app (:func:`register_enqueue_task`, :func:`enqueue_app`) and
+finds the task by name in the sending app (:mod:`celery_dlock.celery.senders`) and
 :func:`lock_unlabelled` takes the queued lock, or marks the message a duplicate in its
 headers, which the worker then drops without running the body.
 
@@ -39,26 +39,21 @@ lock and runs once the key is free (:func:`_from_running_body`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from celery import states
 from celery.backends.base import DisabledBackend
 from celery.utils import uuid
-from celery.utils.time import maybe_iso8601
 
 from celery_dlock.celery.beat import mark_send
-from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED
-from celery_dlock.core.backend import Backend, PendingLease
-from celery_dlock.core.clock import jitter
+from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, parse_time, queued_ttl
+from celery_dlock.core.backend import LOOK_AGAIN, Backend, PendingLease
 from celery_dlock.core.errors import LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, head_nonce
 from celery_dlock.core.lease import Lease
@@ -234,7 +229,7 @@ def send_queue_lock(
         return None
     if _running_lease(task, key) is not None:
         return None
-    ttl = queued_ttl(task, options)
+    ttl = queued_ttl(task._queued_ttl(options), options)
     pending = task._dlock().manager.send_queued(key, ttl, holder=task_id, sender=task)
     if pending is None:
         return None
@@ -283,67 +278,12 @@ def _unsubscribe(task: Publisher, task_id: str) -> None:
         log.debug("could not unsubscribe from the result of %s", task_id, exc_info=True)
 
 
-#: Enqueue-time singleton task name -> the apps that registered it (SingletonTask.bind), in
-#: order. Celery copies a shared task into every app finalized later, each copy with its app's
-#: settings: a message sent by name is checked with the sending app's copy.
-_enqueue_owners: dict[str, list[weakref.ref[Any]]] = {}
-#: Task names whose message by name could not be matched to one app (warned once each).
-_ambiguous_warned: set[str] = set()
-
-
-def register_enqueue_task(name: str, app: Any) -> None:
-    """Note that ``app`` has enqueue-time task ``name`` (its messages sent by name are locked)."""
-    owners = [ref for ref in _enqueue_owners.get(name, ()) if ref() is not None]
-    if not any(ref() is app for ref in owners):
-        owners.append(weakref.ref(app))
-    _enqueue_owners[name] = owners
-
-
-def enqueue_apps(name: Any) -> list[Any]:
-    """The live apps that registered enqueue-time task ``name``, in order."""
-    refs = _enqueue_owners.get(name, ()) if isinstance(name, str) else ()
-    return [app for app in (ref() for ref in refs) if app is not None]
-
-
-def enqueue_app(name: Any, reply_to: Any = None) -> Any:
-    """The app whose enqueue-time task ``name`` checks a message sent by name, or None.
-
-    With one app registering ``name``, that app. With several, the one sending: Celery's
-    ``send_task`` sets the message's ``reply_to`` to the sending app's ``thread_oid`` (per app
-    and thread), unless the caller gave one. When none of them matches, the message cannot be
-    told apart without guessing: None (published without its queued lock), with a warning.
-    """
-    apps = enqueue_apps(name)
-    if len(apps) <= 1:
-        return apps[0] if apps else None
-    if reply_to:
-        for app in apps:
-            try:
-                if app.thread_oid == reply_to:
-                    return app
-            except Exception:  # not a Celery app after all: cannot be the sender
-                continue
-    if name not in _ambiguous_warned:
-        _ambiguous_warned.add(name)
-        log.warning(
-            "task %s sent by name (send_task) is registered with lock_on='enqueue' by %d "
-            "Celery apps in this process (%s), and the message does not say which one sends "
-            "it: published without its queued lock (the execution-time lock still keeps runs "
-            "apart). Send it from one of these apps without a reply_to of your own, or call "
-            "the task itself (app.tasks[name].apply_async) instead of send_task.",
-            name,
-            len(apps),
-            ", ".join(repr(app) for app in apps),
-        )
-    return None
-
-
 def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None:
     """In ``before_task_publish``, for a message of ``task`` that did not come through
     :func:`publish`: take its queued lock, or mark it a duplicate of the holder."""
     if not isinstance(body, tuple | list) or len(body) < 2:
         return
-    options = {n: _parse_eta(headers[n]) for n in ("eta", "expires") if headers.get(n)}
+    options = {n: parse_time(headers[n]) for n in ("eta", "expires") if headers.get(n)}
     try:
         wanted = task.lock_key_for(body[0] or (), body[1] or {})
         queued = queue_lock(task, wanted, headers["id"], options)
@@ -356,18 +296,6 @@ def lock_unlabelled(task: Publisher, headers: dict[str, Any], body: Any) -> None
         headers[HEADER_DUPLICATE_OF] = queued.holder_id
     elif queued.key is not None:
         headers[HEADER_QUEUED] = queued.nonce or 1
-
-
-def _parse_eta(eta: Any) -> Any:
-    """An eta or expires as the worker reads it: a string with Celery's own ISO 8601 parser
-    (dateutil's on Celery 5.7, which takes spellings ``datetime.fromisoformat`` refuses,
-    such as a lowercase ``z``, or on Python 3.10 ``Z`` and ``+0900``); None if unreadable."""
-    if not isinstance(eta, str):
-        return eta
-    try:
-        return maybe_iso8601(eta)
-    except (AttributeError, ValueError, TypeError, OverflowError):
-        return None
 
 
 # -- the queued lock itself --------------------------------------------------------------------
@@ -416,7 +344,7 @@ def queue_lock(
     acquisition, already sent.
     """
     manager = task._dlock().manager
-    ttl = queued_ttl(task, options)
+    ttl = queued_ttl(task._queued_ttl(options), options)
     running = None if early is not None else _running_lease(task, key)
     if running is not None:  # published from the body that holds the key
         return _from_running_body(task, manager, running, key, task_id, ttl)
@@ -449,10 +377,8 @@ def queue_lock(
 class _Looks:
     """What one publish has tried so far for its queued lock (the loop of :func:`queue_lock`)."""
 
-    #: Looks again after Redlock contenders collided with nobody holding a majority.
-    splits: int = 0
-    #: Holders that had not settled and went away before they did (Redlock).
-    confirms: int = 0
+    #: The backend's counts of looks again, by reason (:meth:`Backend.duplicate_of`).
+    backend: dict[str, int] = field(default_factory=dict)
     #: Whether the holder's task was already checked for a revoke.
     revoked_checked: bool = False
 
@@ -468,40 +394,29 @@ def _after_refusal(
     """What a refused attempt at the queued lock leads to: ``None`` to try again, else what
     the message goes out with (merged into the holder, or without its queued lock)."""
     holder = refusal.holder
-    if holder is None and refusal.retry_after is None and looks.splits < QUEUE_SPLIT_RETRIES:
-        # Redlock contenders collided and nobody holds a majority yet; one of them soon
-        # will. Look again rather than publish a second message for the key.
-        looks.splits += 1
-        time.sleep(jitter(0.0, 0.01 * looks.splits))
-        return None
-    if holder is None and refusal.retry_after is None:
-        # Still no majority after every look: logged, as every other such publish.
-        return _unlocked(
-            task, task_id, f"no majority of the lock nodes agrees on a holder of {key!r}"
-        )
-    if holder is None or holder.task_id is None:  # held, but not by a task: publish anyway
-        return Queued(None, None)
-    if not looks.revoked_checked and holder.queued and _revoked(task, holder.task_id):
+    if (
+        holder is not None
+        and holder.task_id is not None
+        and holder.queued
+        and not looks.revoked_checked
+        and _revoked(task, holder.task_id)
+    ):
         # The queued task was revoked before any worker saw it: its lock (that one
         # acquisition, not whatever holds the key by then) is free to go.
         looks.revoked_checked = True
         manager.release_nonce(key, holder.nonce)
         return None
-    if holder.queued and manager.settle_time and _results_kept(task):
-        # The holder's attempt may yet be undone (Redlock: it missed a reply), and its task
-        # id then never published. Merge only into one the backend confirms.
-        try:
-            confirmed = manager.confirm_holder(key, holder, functools.partial(_ran, task))
-        except LockUnavailable as exc:
-            return _unlocked(task, task_id, exc)
-        if not confirmed:
-            looks.confirms += 1
-            if looks.confirms < CONFIRM_TRIES:
-                return None
-            return _unlocked(
-                task, task_id, f"the holders of {key!r} kept changing before they settled"
-            )
-    return _merged(task, key, task_id, holder)
+    try:
+        # The backend says whom to merge into: it may look again first (a holder not named
+        # yet, or one that may still be undone).
+        found = manager.duplicate_of(key, refusal, looks.backend, _Results(task))
+    except LockUnavailable as exc:
+        return _unlocked(task, task_id, exc)
+    if found is LOOK_AGAIN:
+        return None
+    if found is None or found.task_id is None:  # held, but not by a task: publish anyway
+        return Queued(None, None)
+    return _merged(task, key, task_id, found)
 
 
 def _unlocked(task: Publisher, task_id: str, why: object) -> Queued:
@@ -583,6 +498,20 @@ def _merged(task: Publisher, key: str, task_id: str, holder: Holder) -> Queued:
     return Queued(None, holder.task_id)
 
 
+class _Results:
+    """What the backend may ask about a holder's task (:class:`TaskResults`): the task's
+    result backend, read only when the backend asks (a holder that may still be undone)."""
+
+    def __init__(self, task: Publisher) -> None:
+        self.task = task
+
+    def kept(self) -> bool:
+        return _results_kept(self.task)
+
+    def ran(self, task_id: str | None) -> bool:
+        return _ran(self.task, task_id)
+
+
 def _results_kept(task: Publisher) -> bool:
     """Whether a caller can wait on the task id a duplicate merges into: the task keeps its
     results where any publisher can read them. Else merging into an attempt undone later
@@ -591,7 +520,7 @@ def _results_kept(task: Publisher) -> bool:
     ``rpc://`` sends a result to the reply queue of the process that sent the task only."""
     if getattr(task, "ignore_result", False):
         return False
-    from celery.backends.rpc import RPCBackend  # only on Redlock's path: kept off import
+    from celery.backends.rpc import RPCBackend  # only where a holder may be undone: kept off import
 
     try:
         return not isinstance(task.backend, DisabledBackend | RPCBackend)
@@ -608,16 +537,6 @@ def _ran(task: Publisher, task_id: str | None) -> bool:
     except Exception:  # no result backend, or it is down: not known to have run
         return False
     return state not in (states.PENDING, states.REVOKED)
-
-
-#: Holders that had not settled and went away (undone) before a duplicate publishes without
-#: its queued lock (each try waits at most ``settle_time``, twice that for a holder seen gone).
-CONFIRM_TRIES = 3
-
-
-#: Extra looks (at random delays up to 10 ms times the look's number) when Redlock
-#: contenders for a queued lock collided, on top of the acquire's own retries.
-QUEUE_SPLIT_RETRIES = 10
 
 
 #: Holder ids recently found not revoked: a storm of duplicates reads the backend once a
@@ -639,47 +558,3 @@ def _revoked(task: Publisher, task_id: str) -> bool:
             _not_revoked.clear()
         _not_revoked[task_id] = now
     return revoked
-
-
-def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-#: The shortest life of a queued lock: that of a message already expired when published.
-SHORTEST_QUEUED_TTL = 0.01
-
-
-def queued_ttl(task: Publisher, options: Mapping[str, Any]) -> float:
-    """Seconds the queued lock of a message published with ``options`` lives.
-
-    The task's queued lifetime plus any countdown or eta (a datetime or, as Celery also
-    takes it, an ISO 8601 string); but never past the message's ``expires``: a worker
-    discards the message then, and calls published later must not merge into it.
-    """
-    ttl = task._queued_ttl(options) + _delay_of(options)
-    left = _seconds_until(options.get("expires"), relative=True)
-    if left is not None:
-        ttl = min(ttl, left)
-    return max(ttl, SHORTEST_QUEUED_TTL)
-
-
-def _delay_of(options: Mapping[str, Any]) -> float:
-    """Seconds until a message with these options may run (countdown or eta)."""
-    countdown = options.get("countdown")
-    if countdown:
-        return max(0.0, float(countdown))
-    return max(0.0, _seconds_until(options.get("eta"), relative=False) or 0.0)
-
-
-def _seconds_until(when: Any, *, relative: bool) -> float | None:
-    """Seconds from now until ``when``: a datetime (naive is UTC, as Celery takes it), an ISO
-    8601 string, or with ``relative`` a number of seconds; None when there is none (or it
-    cannot be read: Celery itself refuses such a value when it builds the message)."""
-    if relative and isinstance(when, int | float) and not isinstance(when, bool):
-        return float(when)
-    moment: Any = _parse_eta(when) if isinstance(when, str) else when
-    if not isinstance(moment, datetime):
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    return float((moment - _utcnow()).total_seconds())

@@ -53,8 +53,9 @@ from celery.signals import (
 
 from celery_dlock.celery import children
 from celery_dlock.celery.beat import Tick, current_tick, mark_send
-from celery_dlock.celery.enqueue import enqueue_app, lock_unlabelled, settle_early, take_early
+from celery_dlock.celery.enqueue import lock_unlabelled, settle_early, take_early
 from celery_dlock.celery.headers import HEADER_DUPLICATE_OF, HEADER_QUEUED, REQUEUE_HEADERS
+from celery_dlock.celery.senders import enqueue_app
 from celery_dlock.celery.task import SingletonTask
 from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.renewal import watchdog

@@ -33,9 +33,6 @@ the task class is created.
 
 from __future__ import annotations
 
-import difflib
-import functools
-import inspect
 import logging
 import threading
 import time
@@ -44,21 +41,17 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task, states
-from celery.exceptions import Ignore
-from celery.utils.time import get_exponential_backoff_interval
 
-from celery_dlock.celery import enqueue, interrupt
+from celery_dlock.celery import duplicates, enqueue, interrupt, senders
 from celery_dlock.celery.headers import (
     HEADER_DUPLICATE_OF,
     HEADER_QUEUED,
     HEADER_REDELIVERED,
-    HEADER_REQUEUES,
-    HEADER_TICK,
-    HEADER_UNAVAILABLE,
 )
 from celery_dlock.celery.keys import UNKEYABLE_FIX, KeyBuilder
+from celery_dlock.celery.options import check_options
 from celery_dlock.core.backend import Backend
-from celery_dlock.core.config import check_renew_interval, check_seconds, check_ttl
+from celery_dlock.core.config import check_renew_interval
 from celery_dlock.core.errors import (
     ConfigError,
     LockContended,
@@ -66,91 +59,12 @@ from celery_dlock.core.errors import (
     LockUnavailable,
     after_wait,
 )
-from celery_dlock.core.holder import Holder
 from celery_dlock.core.lease import Lease
 from celery_dlock.core.registry import manager_for
-from celery_dlock.core.signals import lock_contended
 
 log = logging.getLogger("celery_dlock.task")
 
-#: Every task option of SingletonTask (a name close to one of these is a misspelling).
-OPTIONS = (
-    "lock_key",
-    "lock_ttl",
-    "on_duplicate",
-    "lock_on",
-    "lock_wait",
-    "lock_requeue_max",
-    "lock_requeue_delay",
-    "lock_requeue_max_delay",
-    "on_lock_lost",
-    "lock_max_hold",
-    "lock_queued_ttl",
-    "on_lock_unavailable",
-)
-POLICIES = ("drop", "requeue", "raise", "wait")
-LOCK_ON = ("execute", "enqueue")
-ON_LOST = ("raise", "flag")
-ON_UNAVAILABLE = ("requeue", "raise")
-
 LostHandler = Callable[["SingletonTask", Lease, LockLost], None]
-
-
-def _unique_on(value: Any) -> str:
-    # celery-singleton 0.3.1: a string is one name, an empty list the task name alone.
-    if isinstance(value, str):
-        names: list[str] | None = [value]
-    else:
-        names = list(value) if isinstance(value, list | tuple) else None
-    fix = "lock_key=None (every argument)" if names is None else f"lock_key={names!r}"
-    return (
-        f"celery-singleton, which SingletonTask does not read: write {fix} instead, or use "
-        "base=celery_dlock.compat.Singleton, which reads it"
-    )
-
-
-def _raise_on_duplicate(value: Any) -> str:
-    return (
-        "celery-singleton, which SingletonTask does not read: a duplicate .delay() cannot "
-        "raise here; with lock_on='enqueue' compare the id you get back (the delay_once "
-        "recipe), or use on_duplicate='raise' to fail the duplicate in the worker, or use "
-        "base=celery_dlock.compat.Singleton, which reads it"
-    )
-
-
-def _lock_expiry(value: Any) -> str:
-    return (
-        "celery-singleton, which SingletonTask does not read: write lock_queued_ttl= for the "
-        "time a message waits in the queue and lock_ttl= for the lease while it runs (renewed, "
-        "so it need not cover the run), or use base=celery_dlock.compat.Singleton, which reads it"
-    )
-
-
-def _once(value: Any) -> str:
-    parts = ["lock_on='enqueue'"]
-    if isinstance(value, Mapping):
-        if "keys" in value:
-            parts.append(f"lock_key={list(value['keys'])!r}")
-        if "timeout" in value:
-            parts.append(f"lock_queued_ttl={value['timeout']!r}")
-    extra = ""
-    if isinstance(value, Mapping) and value.get("unlock_before_run"):
-        extra = "; unlock_before_run has no equivalent (on_duplicate='requeue' comes closest)"
-    return (
-        "celery-once, which SingletonTask does not read: write "
-        f"@app.task(base=SingletonTask, {', '.join(parts)}) instead, per task (a duplicate "
-        f"gets the queued task's result, as with graceful=True){extra}, or use "
-        "base=celery_dlock.compat.QueueOnce, which reads it"
-    )
-
-
-#: celery-singleton's and celery-once's options -> what to write instead (given the value).
-PEER_OPTIONS: Mapping[str, Callable[[Any], str]] = {
-    "unique_on": _unique_on,
-    "raise_on_duplicate": _raise_on_duplicate,
-    "lock_expiry": _lock_expiry,
-    "once": _once,
-}
 
 
 if TYPE_CHECKING:
@@ -202,8 +116,9 @@ class SingletonTask(_TaskBase):
 
     #: Options of celery-singleton and celery-once that this class does not read, each with
     #: what to write instead. Left in a half-migrated task they would be ignored without a
-    #: word, so they are refused, per task and per call (:meth:`_refuse_peer_options`).
-    _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = PEER_OPTIONS
+    #: word, so they are refused, per task and per call (:meth:`_refuse_peer_options`). The
+    #: table is :data:`celery_dlock.compat.options.PEER_OPTIONS`, set on import of that module.
+    _peer_options: ClassVar[Mapping[str, Callable[[Any], str]]] = {}
     #: What the refusal of an argument that cannot be part of a key tells the user to do.
     _unkeyable_fix: ClassVar[str] = UNKEYABLE_FIX
 
@@ -228,7 +143,7 @@ class SingletonTask(_TaskBase):
     def bind(cls, app: Any) -> Any:
         bound = super().bind(app)
         if cls.lock_on == "enqueue" and cls.name:
-            enqueue.register_enqueue_task(cls.name, app)
+            senders.register_enqueue_task(cls.name, app)
         return bound
 
     # -- the running lease ---------------------------------------------------------------------
@@ -275,7 +190,7 @@ class SingletonTask(_TaskBase):
         # of the beat send that already sent this run of its schedule entry.
         duplicate_of = getattr(request, HEADER_DUPLICATE_OF, None)
         if duplicate_of:
-            return self._drop_marked(key, duplicate_of)
+            return duplicates.drop_marked(self, key, duplicate_of)
         key = self._execution_key(key, request)
         # Started before the acquire: the lease's loss handler needs the run to interrupt.
         run = interrupt.start() if self.on_lock_lost == "raise" else None
@@ -284,11 +199,11 @@ class SingletonTask(_TaskBase):
             try:
                 lease = self._acquire(resolved, key, request, run)
             except LockContended as exc:
-                return self._contended(key, exc, args, kwargs)
+                return duplicates.contended(self, key, exc, args, kwargs)
             except LockUnavailable as exc:
-                return self._unavailable(key, exc, args, kwargs)
+                return duplicates.unavailable(self, key, exc, args, kwargs)
             if getattr(request, HEADER_REDELIVERED, None) and self._finished(request.id or ""):
-                self._skip_finished(key, lease, request.id)
+                duplicates.skip_finished(self, key, lease, request.id)
             result = self._run_body(lease, run, args, kwargs)
             if self.on_lock_lost == "raise" and lease.lost:
                 # The body finished, but not necessarily alone: do not report success.
@@ -329,14 +244,6 @@ class SingletonTask(_TaskBase):
         if run is not None:
             run.lease = lease
         return lease
-
-    def _skip_finished(self, key: str, lease: Lease, task_id: str | None) -> None:
-        """A redelivered copy that waited for the first execution, which has finished: end
-        without running the body (raises ``Ignore``)."""
-        lease.release(wait=False)
-        log.info("task %s[%s]: finished already; copy skipped", self.name, task_id)
-        self._signal(key, None, "drop")
-        raise _explained_ignore(task_id)
 
     def _run_body(
         self, lease: Lease, run: interrupt.Run | None, args: Any, kwargs: Mapping[str, Any]
@@ -465,141 +372,6 @@ class SingletonTask(_TaskBase):
             if handing:
                 enqueue.retrying.handing = None
 
-    # -- duplicates ----------------------------------------------------------------------------
-
-    def _contended(
-        self, key: str, exc: LockContended, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> Any:
-        request = self.request
-        holder = exc.holder
-        if holder is not None and holder.task_id == request.id and not holder.queued:
-            # Held by another execution of this very task id.
-            delivery = request.delivery_info or {}
-            if delivery.get("redelivered") or getattr(request, HEADER_REDELIVERED, None):
-                # Another delivery of a task whose execution holds the key: still running (a
-                # visibility timeout passed with late acks), or dead with its lease not yet
-                # expired (a worker lost with reject_on_worker_lost). Come back when that lease
-                # could have run out; then run, unless the result says the first finished.
-                wait = exc.retry_after if exc.retry_after is not None else self.lock_requeue_delay
-                return self._requeue(HEADER_REDELIVERED, exc, args, kwargs, key=key, delay=wait)
-            # A retry that found its predecessor's key not yet released: come back soon.
-            return self._requeue(HEADER_REQUEUES, exc, args, kwargs, key=key)
-        policy = self.on_duplicate
-        if policy == "requeue":
-            return self._requeue(HEADER_REQUEUES, exc, args, kwargs, key=key)
-        self._signal(key, holder, policy)
-        if policy == "drop":
-            who = holder.describe() if holder else "another holder"
-            return self._drop(
-                key, holder, holder.task_id if holder else None, f"{key!r} is held by {who}"
-            )
-        raise exc  # "raise", or "wait" that ran out
-
-    def _signal(
-        self, key: str, holder: Holder | None, policy: str, retry_in: float | None = None
-    ) -> None:
-        lock_contended.send(
-            sender=self,
-            key=key,
-            token=None,
-            task_id=self.request.id,
-            holder=holder,
-            policy=policy,
-            retry_in=retry_in,
-        )
-
-    def _drop_marked(self, key: str, duplicate_of: str) -> dict[str, Any]:
-        """Drop a message marked a duplicate when it was published (the key was not read)."""
-        self._signal(key, None, "drop")
-        task_id = self.request.id
-        if duplicate_of == task_id:
-            # Sent again under the id of the task it duplicates (send_task with a fixed id):
-            # store nothing, or this drop's result would stand for that task's own.
-            log.info(
-                "task %s[%s] dropped: a message of this same task id holds %r and runs instead",
-                self.name,
-                task_id,
-                key,
-            )
-            raise _explained_ignore(task_id)
-        tick = getattr(self.request, HEADER_TICK, None)
-        if tick:
-            entry = str(tick).rsplit(":", 1)[0]
-            why = (
-                f"beat already sent this run of {entry!r} as task {duplicate_of} (another send "
-                "of the entry holds its tick key, which lasts until the entry's next run)"
-            )
-        else:
-            why = f"published while task {duplicate_of} held {key!r}; that task runs instead"
-        return self._drop(key, None, duplicate_of, why)
-
-    def _drop(
-        self, key: str, holder: Holder | None, holder_id: str | None, why: str
-    ) -> dict[str, Any]:
-        log.info("task %s[%s] dropped: %s", self.name, self.request.id, why)
-        return {
-            "dlock_dropped": True,
-            "key": key,
-            "holder": holder_id,
-            "holder_host": holder.host if holder else None,
-            "holder_pid": holder.pid if holder else None,
-            "reason": why,
-        }
-
-    def _unavailable(
-        self, key: str, exc: LockUnavailable, args: Sequence[Any], kwargs: Mapping[str, Any]
-    ) -> Any:
-        if self.on_lock_unavailable == "raise":
-            raise exc  # Celery logs the failure, with this message
-        return self._requeue(HEADER_UNAVAILABLE, exc, args, kwargs)
-
-    def _requeue(
-        self,
-        header: str,
-        exc: LockContended | LockUnavailable,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        key: str | None = None,
-        delay: float | None = None,
-    ) -> Any:
-        """Publish this same task (same id, same options) again after a jittered backoff (or
-        ``delay``), and end this execution without a result; after ``lock_requeue_max``
-        requeues, fail (a redelivered copy ends quietly instead: the first may still run)."""
-        request = self.request
-        headers = dict(request.headers or {})
-        done = int(headers.get(header, 0))
-        if done >= self.lock_requeue_max or request.is_eager:
-            if header == HEADER_REDELIVERED:
-                log.warning(
-                    "task %s[%s]: redelivered copy given up after %d requeues: %s",
-                    *(self.name, request.id, done, exc),
-                )
-                raise Ignore()
-            raise exc
-        if delay is None:
-            delay = requeue_delay(done, self.lock_requeue_delay, self.lock_requeue_max_delay)
-        else:
-            delay = min(delay + 0.05, self.lock_requeue_max_delay)
-        if key is not None and isinstance(exc, LockContended):
-            self._signal(key, exc.holder, "requeue", retry_in=delay)
-        headers[header] = done + 1
-        signature = self.signature_from_request(
-            request, tuple(args), dict(kwargs), countdown=delay, headers=headers
-        )
-        Task.apply_async(self, signature.args, signature.kwargs, **signature.options)
-        level = logging.WARNING if isinstance(exc, LockUnavailable) else logging.INFO
-        log.log(
-            level,
-            "task %s[%s] requeued in %.2f s (%d of %d): %s",
-            self.name,
-            request.id,
-            delay,
-            done + 1,
-            self.lock_requeue_max,
-            exc,
-        )
-        raise _explained_ignore(request.id)
-
     # -- enqueue-time mode ---------------------------------------------------------------------
 
     #: Set on the drop-in classes, whose own ``apply_async`` calls :meth:`_locked_apply_async`:
@@ -662,47 +434,6 @@ class SingletonTask(_TaskBase):
         )
 
 
-def requeue_delay(done: int, first: float, cap: float) -> float:
-    """Exponential backoff with full jitter, from Celery's own helper, in milliseconds so the
-    jitter is not limited to whole seconds; never below a tenth of the first delay."""
-    ms = get_exponential_backoff_interval(
-        factor=max(1, round(first * 1000)),
-        retries=done,
-        maximum=max(1, round(cap * 1000)),
-        full_jitter=True,
-    )
-    return max(ms / 1000.0, first / 10.0)
-
-
-#: Task ids whose execution this process ended with ``Ignore`` after logging why itself.
-_explained: set[str] = set()
-
-
-def _explained_ignore(task_id: str | None) -> Ignore:
-    """``Ignore`` for an execution whose end our own log line already explained (a requeue):
-    Celery's "Task ... ignored" line for it is dropped, one line per requeue is enough."""
-    if task_id:
-        if len(_explained) > 1000:  # ids whose Celery line never came (eager runs)
-            _explained.clear()
-        _explained.add(task_id)
-    return Ignore()
-
-
-class _QuietExplainedIgnores(logging.Filter):
-    """On Celery's tracer logger: drops its "ignored" line for the executions above."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        data = getattr(record, "data", None)
-        if isinstance(data, dict) and data.get("description") == "ignored":
-            task_id = data.get("id")
-            if task_id in _explained:
-                _explained.discard(task_id)
-                return False
-        return True
-
-
-logging.getLogger("celery.app.trace").addFilter(_QuietExplainedIgnores())
-
 _resolve_lock = threading.Lock()
 #: Per thread: task instance id -> the leases of its running executions (innermost last).
 _running = threading.local()
@@ -740,73 +471,3 @@ class _Resolved:
             # lease capped there would let a duplicate run beside it.
             return None
         return float(limit)
-
-
-#: What Celery's Task itself has (read without getattr: some warn on access).
-_TASK_ATTRIBUTES = frozenset(dir(Task))
-
-
-def check_options(cls: type[SingletonTask]) -> None:
-    """Fail at task definition on any bad option, naming the task, the option and the fix."""
-    name = getattr(cls, "name", None) or cls.__qualname__
-    where = f"task {name!r}"
-
-    def choice(option: str, allowed: tuple[str, ...]) -> None:
-        value = getattr(cls, option)
-        if value not in allowed:
-            close = difflib.get_close_matches(str(value), allowed, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"{where}: {option}={value!r} is not one of {', '.join(map(repr, allowed))}.{hint}"
-            )
-
-    for attribute in cls.__dict__:
-        if attribute in OPTIONS or attribute.startswith("_") or attribute in _TASK_ATTRIBUTES:
-            continue
-        close = difflib.get_close_matches(attribute, OPTIONS, n=1, cutoff=0.85)
-        if close:  # a keyword Celery would keep as a plain attribute, silently ignored
-            raise ConfigError(
-                f"{where}: {attribute!r} is not a SingletonTask option. Did you mean {close[0]!r}?"
-            )
-    choice("on_duplicate", POLICIES)
-    choice("lock_on", LOCK_ON)
-    choice("on_lock_unavailable", ON_UNAVAILABLE)
-    if not callable(cls.on_lock_lost):
-        choice("on_lock_lost", ON_LOST)
-    if cls.lock_ttl is not None:
-        check_ttl(f"{where}: lock_ttl", cls.lock_ttl)
-    check_seconds(f"{where}: lock_wait", cls.lock_wait)
-    check_seconds(f"{where}: lock_requeue_delay", cls.lock_requeue_delay)
-    check_seconds(f"{where}: lock_requeue_max_delay", cls.lock_requeue_max_delay)
-    check_seconds(f"{where}: lock_queued_ttl", cls.lock_queued_ttl)
-    if cls.lock_max_hold is not None:
-        check_seconds(f"{where}: lock_max_hold", cls.lock_max_hold)
-    if cls.lock_requeue_max_delay < cls.lock_requeue_delay:
-        raise ConfigError(
-            f"{where}: lock_requeue_max_delay ({cls.lock_requeue_max_delay:g} s) is below "
-            f"lock_requeue_delay ({cls.lock_requeue_delay:g} s)."
-        )
-    limit = cls.lock_requeue_max
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-        raise ConfigError(f"{where}: lock_requeue_max must be an int >= 0, got {limit!r}.")
-    if cls.on_duplicate == "wait" and cls.lock_on == "enqueue":
-        raise ConfigError(
-            f"{where}: on_duplicate='wait' does not apply with lock_on='enqueue' (duplicates "
-            "are answered with the queued task's result when published)."
-        )
-    cls._refuse_peer_options(
-        {n: getattr(cls, n) for n in cls._peer_options if hasattr(cls, n)}, where
-    )
-    run = cls.__dict__.get("run")
-    if run is not None:
-        # Validates lock_key against the signature now, not at the first call: the signature
-        # the task is called with, so a method's ``self`` is no argument.
-        if isinstance(run, staticmethod):
-            signature_of = run.__func__
-        elif isinstance(run, classmethod):
-            signature_of = functools.partial(run.__func__, cls)
-        elif inspect.isfunction(run):  # a method (a class body's, or a bind=True task's)
-            signature_of = functools.partial(run, None)
-        else:
-            signature_of = run
-        KeyBuilder(name, signature_of, cls.lock_key)

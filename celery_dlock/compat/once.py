@@ -19,7 +19,7 @@ from celery.result import EagerResult
 from celery.utils import uuid
 
 from celery_dlock.celery.headers import HEADER_QUEUED
-from celery_dlock.celery.task import PEER_OPTIONS
+from celery_dlock.compat.options import PEER_OPTIONS
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,

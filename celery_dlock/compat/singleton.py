@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from celery.utils import uuid
 
-from celery_dlock.celery.task import PEER_OPTIONS
+from celery_dlock.compat.options import PEER_OPTIONS
 from celery_dlock.compat.peer import (
     PeerTask,
     check_argument_names,

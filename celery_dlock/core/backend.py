@@ -44,9 +44,12 @@ master) calls :meth:`celery_dlock.core.renewal.Watchdog.hurry`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+import time
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any, Literal, Protocol
 
+from celery_dlock.core.clock import jitter
 from celery_dlock.core.config import (
     Settings,
     check_key,
@@ -54,7 +57,7 @@ from celery_dlock.core.config import (
     check_seconds,
     check_ttl,
 )
-from celery_dlock.core.errors import ConfigError
+from celery_dlock.core.errors import ConfigError, LockContended, LockUnavailable
 from celery_dlock.core.holder import Holder, LockInfo
 from celery_dlock.core.lease import Lease, LeaseBackend, LostCallback
 
@@ -72,6 +75,35 @@ class PendingLease(Protocol):
     def finish(self) -> Lease:
         """Read the reply: the lease, or raise :class:`LockContended` / :class:`LockUnavailable`."""
         ...
+
+
+class TaskResults(Protocol):
+    """What a backend may ask the task queue about the task of a queued holder while it
+    confirms that holder (:meth:`Backend.duplicate_of`): the Celery layer's result backend."""
+
+    def kept(self) -> bool:
+        """Whether a caller can wait on a holder's task id: its results are kept where any
+        publisher can read them."""
+        ...
+
+    def ran(self, task_id: str | None) -> bool:
+        """Whether the task ``task_id`` was published and ran (its result state left PENDING)."""
+        ...
+
+
+class Again(Enum):
+    """:meth:`Backend.duplicate_of`'s answer "try to take the queued lock again"."""
+
+    LOOK = "look again"
+
+
+#: Try the queued lock again (see :meth:`Backend.duplicate_of`).
+LOOK_AGAIN: Literal[Again.LOOK] = Again.LOOK
+
+#: Looks again (at random delays up to 10 ms times the look's number) when a queued lock's
+#: acquisition was refused with no holder named (contenders collided, or the key was being
+#: handed to the next in line), on top of the acquire's own retries.
+UNNAMED_RETRIES = 10
 
 
 class Backend(LeaseBackend, Protocol):
@@ -148,14 +180,25 @@ class Backend(LeaseBackend, Protocol):
 
     # -- end a lease -------------------------------------------------------------------------
 
-    def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
-        """Whether a duplicate may merge into ``holder``, a queued lock just read from ``key``:
-        True at once where an acquisition others can read is decided (:attr:`settle_time` 0,
-        or ``holder`` older than it). Otherwise (Redlock) read ``key`` until the holder can no
-        longer be undone: True once its task holds the key, executing or settled, or has run
-        (``ran(task_id)``: its result state left PENDING); False when it let the key go
-        without running (its attempt was undone: look again), or a newer attempt of its task
-        holds it, not settled yet. Raises :class:`LockUnavailable` without a quorum."""
+    def duplicate_of(
+        self, key: str, refusal: LockContended, looks: dict[str, int], results: TaskResults
+    ) -> Holder | Literal[Again.LOOK] | None:
+        """What a publish whose queued lock on ``key`` was refused (``refusal``) merges into.
+
+        The holder to merge into (a duplicate of its task; one whose ``task_id`` is None is
+        not a task: publish anyway); None when nobody can be named and there is an expiry to
+        wait for (publish without the queued lock); :data:`LOOK_AGAIN` to try the queued lock
+        again (no holder named yet, or the holder may still be undone). Raises
+        :class:`LockUnavailable`, its message saying why, when no holder can be confirmed:
+        the caller publishes without its queued lock and logs why. ``looks`` is this
+        publish's count of looks again, by reason (the backend's own; empty at first).
+
+        Merges at once where an acquisition others can read is decided (:attr:`settle_time`
+        0). On Redlock an attempt that took a majority can miss a reply and undo itself, and
+        its task id is then never published: a queued holder younger than ``settle_time`` is
+        read again until it can no longer be undone (``results`` says whether its task ran),
+        where the task's results are kept (``results.kept()``).
+        """
         ...
 
     def release(self, lease: Lease, *, wait: bool = True) -> bool:
@@ -244,6 +287,15 @@ class BaseBackend:
     def force_release(self, key: str, holder: Holder) -> bool:
         raise NotImplementedError
 
+    def duplicate_of(
+        self, key: str, refusal: LockContended, looks: dict[str, int], results: TaskResults
+    ) -> Holder | Literal[Again.LOOK] | None:
+        """See :meth:`Backend.duplicate_of`: the holder named by the refusal, merged into at
+        once (an acquisition others can read is decided); none named, look again a few times."""
+        if refusal.holder is not None or refusal.retry_after is not None:
+            return refusal.holder
+        return look_again(looks, "unnamed", f"no holder of {key!r} could be read")
+
     def purge(self, prefix: str) -> list[str]:
         """Force-release every held key starting with ``prefix``; the keys released."""
         return [
@@ -324,3 +376,14 @@ class BaseBackend:
     ) -> Lease:
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
         raise NotImplementedError
+
+
+def look_again(looks: dict[str, int], reason: str, why: str) -> Literal[Again.LOOK]:
+    """:data:`LOOK_AGAIN` after a short random delay, counted in ``looks[reason]``; raises
+    :class:`LockUnavailable` (``why``) after :data:`UNNAMED_RETRIES` looks for ``reason``."""
+    done = looks.get(reason, 0)
+    if done >= UNNAMED_RETRIES:
+        raise LockUnavailable(why)
+    looks[reason] = done + 1
+    time.sleep(jitter(0.0, 0.01 * (done + 1)))
+    return LOOK_AGAIN

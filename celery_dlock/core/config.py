@@ -20,12 +20,12 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
 
 from celery_dlock.core.errors import ConfigError
-from celery_dlock.core.urls import check_urls, redact
+from celery_dlock.core.urls import check_urls
 
 DEFAULT_TTL = 30.0
 DEFAULT_PREFIX = "dlock"
@@ -258,29 +258,17 @@ def broker_url(conf: Any) -> Any:
         return conf.get("broker_url")
 
 
-def broker_lock_urls(conf: Any) -> list[str]:
-    """The lock URL the broker setting gives when ``dlock_urls`` is not set."""
-    broker = broker_url(conf) or ""
-    shown = redact(str(broker)) or "unset"
-    scheme = broker.split("://", 1)[0].lower() if isinstance(broker, str) else ""
-    if ";" in str(broker) and scheme != "sentinel":
-        raise ConfigError(
-            f"dlock_urls is not set and the broker URL is a failover list ({shown}), which a "
-            "lock cannot follow; set app.conf.dlock_urls = ['redis://host:6379/0'] (or three "
-            "or more independent masters for Redlock)."
-        )
-    if scheme in ("redis", "rediss"):
-        rest = broker.split("://", 1)[1]
-        # kombu reads a bare redis:// as the local default server
-        return [broker if rest.strip("/") else f"{scheme}://localhost:6379/0"]
-    if scheme == "redis+socket":  # kombu's Unix-socket Redis
-        return ["unix://" + broker.split("://", 1)[1]]
-    if scheme == "sentinel":
-        return [sentinel_url_from_kombu(broker, conf.get("broker_transport_options") or {})]
-    raise ConfigError(
-        f"dlock_urls is not set and the broker is not Redis ({shown}); set "
-        "app.conf.dlock_urls = ['redis://host:6379/0'] (or three or more URLs for Redlock)."
-    )
+#: Reads an app's configuration for lock URLs when ``dlock_urls`` is not set: the URLs and the
+#: setting they came from (named in their errors). The Celery layer sets it
+#: (:func:`celery_dlock.celery.broker.broker_lock_urls`, the broker URL as kombu spells it):
+#: the core knows no broker.
+_default_urls: Callable[[Any], tuple[list[str], str]] | None = None
+
+
+def use_default_urls(read: Callable[[Any], tuple[list[str], str]]) -> None:
+    """Make ``read(conf)`` the source of an app's lock URLs when ``dlock_urls`` is not set."""
+    global _default_urls
+    _default_urls = read
 
 
 def settings_from_app(app: Any, fallback: tuple[Any, str] | None = None) -> Settings:
@@ -293,8 +281,12 @@ def settings_from_app(app: Any, fallback: tuple[Any, str] | None = None) -> Sett
     if urls is None and fallback is not None:
         urls, setting = fallback
     if urls is None:
-        urls = broker_lock_urls(conf)
-        setting = "broker_url (used as dlock_urls is not set)"
+        if _default_urls is None:  # no Celery layer imported: nothing else to read
+            raise ConfigError(
+                "dlock_urls is not set; set app.conf.dlock_urls = ['redis://host:6379/0'] (or "
+                "three or more URLs for Redlock)."
+            )
+        urls, setting = _default_urls(conf)
     return Settings(
         urls=check_urls(urls, setting),
         ttl=conf.get("dlock_ttl", DEFAULT_TTL),
@@ -303,33 +295,3 @@ def settings_from_app(app: Any, fallback: tuple[Any, str] | None = None) -> Sett
         drift_factor=conf.get("dlock_drift_factor", DEFAULT_DRIFT_FACTOR),
         fence_retention=conf.get("dlock_fence_retention", DEFAULT_FENCE_RETENTION),
     )
-
-
-def sentinel_url_from_kombu(broker: str, transport_options: Any) -> str:
-    """Celery's Sentinel broker setting as one ``redis+sentinel://`` URL.
-
-    Kombu spells it ``sentinel://:pw@host:26379/0;sentinel://host2:26379`` with the group name
-    in ``broker_transport_options["master_name"]`` and the sentinels' own password, if any, in
-    ``broker_transport_options["sentinel_kwargs"]["password"]``.
-    """
-    master = transport_options.get("master_name")
-    if not master:
-        raise ConfigError(
-            f"dlock_urls is not set and the broker is Sentinel ({redact(broker)}) without "
-            "broker_transport_options['master_name']; set it, or set app.conf.dlock_urls = "
-            "['redis+sentinel://host:26379,host2:26379/mymaster/0']."
-        )
-    hosts: list[str] = []
-    auth = db = ""
-    for part in filter(None, (p.strip() for p in broker.split(";"))):
-        rest = part.split("://", 1)[-1]
-        userinfo, _, hostpath = rest.rpartition("@")
-        auth = auth or (f"{userinfo}@" if userinfo else "")
-        host, _, path = hostpath.partition("/")
-        hosts.append(host)
-        db = db or path.strip("/")
-    query = ""
-    sentinel_password = (transport_options.get("sentinel_kwargs") or {}).get("password")
-    if sentinel_password:
-        query = "?" + urlencode({"sentinel_password": sentinel_password})
-    return f"redis+sentinel://{auth}{','.join(hosts)}/{master}/{db or 0}{query}"

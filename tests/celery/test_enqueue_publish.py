@@ -18,7 +18,7 @@ from celery import Celery
 
 from celery_dlock import SingletonTask
 from celery_dlock.backends.redis.janitor import janitor
-from celery_dlock.celery import enqueue
+from celery_dlock.celery import enqueue, senders
 from celery_dlock.celery.headers import HEADER_QUEUED
 from celery_dlock.core.holder import head_nonce, value_head
 from celery_dlock.testing import RedisServer, free_port
@@ -272,7 +272,7 @@ def test_send_task_by_name_that_names_no_sending_app_is_not_locked_and_says_why(
     # A reply_to of the caller's own hides which app sends: neither app's settings are
     # guessed; the message goes out without a queued lock, with a warning naming both apps.
     (first_app, first_job), (second_app, second_job) = twin_apps
-    enqueue._ambiguous_warned.clear()
+    senders._ambiguous_warned.clear()
     key = second_job.lock_key_for((6,), {})
     with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
         sent = second_app.send_task("twin.job", (6,), reply_to="my-own-queue")

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -44,7 +44,7 @@ from celery_dlock.backends.redis.owed import Deferred
 from celery_dlock.backends.redis.scripts import MARKER_BLOCKS, MAX_TOKEN
 from celery_dlock.backends.redis.sending import send_deferred
 from celery_dlock.backends.redis.transport import blocking_pop, run_script, time_left
-from celery_dlock.core.backend import BaseBackend
+from celery_dlock.core.backend import LOOK_AGAIN, Again, BaseBackend, TaskResults, look_again
 from celery_dlock.core.clock import jitter, real_clock
 from celery_dlock.core.config import (
     Settings,
@@ -606,10 +606,45 @@ class LockManager(BaseBackend):
 
     # -- release ---------------------------------------------------------------------------
 
+    def duplicate_of(
+        self, key: str, refusal: LockContended, looks: dict[str, int], results: TaskResults
+    ) -> Holder | Literal[Again.LOOK] | None:
+        """See :meth:`celery_dlock.core.backend.Backend.duplicate_of`. On Redlock, contenders
+        that collided with nobody holding a majority are looked at again (one of them soon
+        will hold it), and a queued holder is merged into only once :meth:`confirm_holder`
+        says it can no longer be undone."""
+        holder = refusal.holder
+        if holder is None and refusal.retry_after is None:
+            why = f"no majority of the lock nodes agrees on a holder of {key!r}"
+            return look_again(looks, "splits", why)
+        if holder is None or holder.task_id is None or not holder.queued:
+            return holder
+        # The holder's attempt may yet be undone (it missed a reply), and its task id then
+        # never published. Merge only into one confirmed.
+        if (
+            self.settle_time
+            and results.kept()
+            and not self.confirm_holder(key, holder, results.ran)
+        ):
+            looks["confirms"] = looks.get("confirms", 0) + 1
+            if looks["confirms"] < CONFIRM_TRIES:
+                return LOOK_AGAIN
+            raise LockUnavailable(
+                f"the holders of {key!r} kept changing before they settled", key=key
+            )
+        return holder
+
     def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
-        """See :meth:`celery_dlock.core.backend.Backend.confirm_holder`: on Redlock, an attempt
-        that took a majority can miss a reply, see none, and undo itself within
-        :attr:`settle_time` of writing its value, and its task id is then never published."""
+        """Whether a duplicate may merge into ``holder``, a queued lock just read from ``key``.
+
+        On Redlock an attempt that took a majority can miss a reply, see none, and undo itself
+        within :attr:`settle_time` of writing its value, and its task id is then never
+        published. True at once where ``settle_time`` is 0 or ``holder`` is older than it;
+        otherwise read ``key`` until the holder can no longer be undone: True once its task
+        holds the key, executing or settled, or has run (``ran(task_id)``: its result state
+        left PENDING); False when it let the key go without running (its attempt was undone:
+        look again), or a newer attempt of its task holds it, not settled yet. Raises
+        :class:`LockUnavailable` without a quorum."""
         # On the holder's wall clock, but never more than settle_time from now (clocks differ).
         if time.time() - holder.since >= self.settle_time:
             return True
@@ -733,6 +768,9 @@ class LockManager(BaseBackend):
 
 #: Seconds between reads of a queued holder not settled yet (:meth:`LockManager.confirm_holder`).
 CONFIRM_POLL = 0.05
+#: Holders that had not settled and went away (undone) before a duplicate publishes without
+#: its queued lock (each try waits at most ``settle_time``, twice that for a holder seen gone).
+CONFIRM_TRIES = 3
 
 
 class PendingAcquire:
