@@ -383,12 +383,12 @@ def _on_all(urls: list[str]) -> str:
     return "" if len(urls) == 1 else f" on {len(urls)} of {len(urls)} nodes"
 
 
-def test_release_by_holder_id(urls: list[str]) -> None:
+def test_release_by_task_id(urls: list[str]) -> None:
     manager = manager_for(urls)
     lease, lost, seen = _hold(urls, "by-holder", ttl=5, renew_interval=0.3, holder="task-42")
-    assert manager.release_by_holder("by-holder", "task-41") is False
+    assert manager.release_by_task("by-holder", "task-41") is False
     assert manager.holder("by-holder") is not None
-    assert manager.release_by_holder("by-holder", "task-42") is True
+    assert manager.release_by_task("by-holder", "task-42") is True
     assert manager.holder("by-holder") is None
     # The holder learns of it at its next renewal (on ZooKeeper, from its node's watch).
     assert lost.wait(timeout=2)
