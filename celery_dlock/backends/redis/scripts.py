@@ -2,7 +2,7 @@
 
 Each runs atomically on one Redis node; Redlock runs the same script on every node at once.
 Ownership is checked by *prefix*: a value is ``head .. fence .. "}"`` where ``head`` holds the
-acquisition's random token (see :mod:`celery_dlock.core.holder`), so ``head`` alone identifies the
+acquisition's random nonce (see :mod:`celery_dlock.core.holder`), so ``head`` alone identifies the
 owner, and on Redlock each node may append its own fence counter without making values differ
 where it matters.
 
@@ -13,10 +13,9 @@ Requires Redis 6.2+ (or Valkey): scripts call ``TIME`` before writing (effects r
 from __future__ import annotations
 
 #: The most bytes of a lock value a script sends back. This library's values are about 200
-#: bytes; a bigger one was written by something else, and reading it whole (a 256 MB value
-#: took 542 MB in each contender, and its transfer outlasted the node timeout) would let
-#: whoever can write the store exhaust the workers' memory. Scripts send the first
-#: MAX_VALUE bytes and the value's length.
+#: bytes; a bigger one was written by something else, and reading it whole would let whoever
+#: can write the store exhaust the workers' memory (benchmarks/README.md, "Figures behind the
+#: code's constants"). Scripts send the first MAX_VALUE bytes and the value's length.
 MAX_VALUE = 4096
 #: The highest fencing token issued, plus one: 2**53 - 1, the largest integer a Lua double
 #: (and a JSON number read by most languages) holds exactly. The server clock floor starts
@@ -135,7 +134,7 @@ return 1
 #: ARGV[1] value head (or any prefix of it that holds the nonce), ARGV[2] signal ttl in ms,
 #: ARGV[3] "1" to wake a waiter, "0" not to,
 #: "2" only if this call deleted the key (a release sent again: the first one may have woken a
-#: waiter already), ARGV[4] our random token, the signal's content.
+#: waiter already), ARGV[4] our random nonce, the signal's content.
 #: Returns 1 when deleted, 0 when the key was already gone, 2 when someone else holds it.
 #:
 #: The signal list holds at most one element and each BLPOP-ing waiter takes one, so a release
@@ -232,10 +231,10 @@ end
 return 0
 """
 
-#: Delete the lock if it holds one acquisition, named by its random token: for the parent
+#: Delete the lock if it holds one acquisition, named by its random nonce: for the parent
 #: worker of an execution it knows has ended, and for a queued message that will never run.
 #:
-#: KEYS[1] lock key, KEYS[2] waiter signal list. ARGV[1] the acquisition's token, ARGV[2] signal
+#: KEYS[1] lock key, KEYS[2] waiter signal list. ARGV[1] the acquisition's nonce, ARGV[2] signal
 #: ttl in ms. Returns 1 when deleted, 0 otherwise.
 #:
 #: Every value opens with its token (see :func:`holder.value_head`), so a prefix compares it.
