@@ -138,8 +138,8 @@ return 1
 #: Returns 1 when deleted, 0 when the key was already gone, 2 when someone else holds it.
 #:
 #: The signal list holds at most one element and each BLPOP-ing waiter takes one, so a release
-#: wakes exactly one waiter (no herd). The element names the releasing token: on Redlock the
-#: woken waiter may still find that token on nodes the release has not reached yet, and then
+#: wakes exactly one waiter (no herd). The element names the releasing nonce: on Redlock the
+#: woken waiter may still find that nonce on nodes the release has not reached yet, and then
 #: retries at once instead of sleeping again (which would lose the wake-up). A key already
 #: gone signals too: on Redlock the waiters block on one node, which may be the one that lost
 #: the key. The signal expires, so an
@@ -196,7 +196,7 @@ return 0
 #:
 #: KEYS[1] lock key, KEYS[2] void marker, KEYS[3] revoked marker, KEYS[4] waiter signal list.
 #: ARGV[1] value head, ARGV[2] marker ttl in ms, ARGV[3] signal ttl in ms, ARGV[4] our random
-#: token. Returns 1 when deleted, 0 otherwise.
+#: nonce. Returns 1 when deleted, 0 otherwise.
 RELEASE_LATE = """
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
@@ -237,7 +237,7 @@ return 0
 #: KEYS[1] lock key, KEYS[2] waiter signal list. ARGV[1] the acquisition's nonce, ARGV[2] signal
 #: ttl in ms. Returns 1 when deleted, 0 otherwise.
 #:
-#: Every value opens with its token (see :func:`holder.value_head`), so a prefix compares it.
+#: Every value opens with its nonce (see :func:`holder.value_head`), so a prefix compares it.
 #: Unlike RELEASE_HOLDER, which any execution of a task id matches, this never frees the lock
 #: of another execution of the same task (a redelivered copy, the retried run).
 RELEASE_NONCE = """
@@ -302,7 +302,7 @@ return out
 #: https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html).
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] waiter signal list, KEYS[4] the
-#: revoked marker of the acquisition (named after its token). ARGV[1] that token, ARGV[2]
+#: revoked marker of the acquisition (named after its nonce). ARGV[1] that nonce, ARGV[2]
 #: how long the marker lives in ms (longer than the holder could keep renewing unnoticed),
 #: ARGV[3] fence counter retention in ms. Returns 1 when released here, 0 when the key was not
 #: held by that acquisition on this node (a marker is left anyway, for a node that missed it).
