@@ -150,7 +150,7 @@ def test_partial_acquisition_is_undone_at_once(redlock_urls: list[str]) -> None:
     with pytest.raises(LockContended) as info, lock(redlock_urls, "split", ttl=10):
         pytest.fail("acquired a minority")
     assert info.value.holder is not None
-    assert info.value.holder.holder == "t-1"
+    assert info.value.holder.task_id == "t-1"
     assert lock_keys(redlock_urls, "split") == [foreign] * 3 + [None] * 2
 
 
@@ -403,7 +403,7 @@ def test_contended_error_names_the_holder(urls: list[str]) -> None:
         error = info.value
         assert error.key == "busy"
         assert error.holder is not None
-        assert error.holder.holder == "task-7"
+        assert error.holder.task_id == "task-7"
         assert error.holder.pid == os.getpid()
         assert "task task-7" in str(error)
         if on_zookeeper(urls):
