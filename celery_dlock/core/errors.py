@@ -6,7 +6,7 @@
      └── DLockError            every error of this library; carries the lock's key
           ├── LockContended    another holder has the key (holder info inside)
           ├── LockLost         a held lease is no longer exclusive (reason inside)
-          ├── LockUnavailable  Redis unreachable, or no quorum of Redlock nodes answered
+          ├── LockUnavailable  the lock store unreachable, or too few of its nodes answered
           └── ConfigError      bad argument, option, setting or URL (also a ValueError)
 
 ``LockContended``, ``LockLost`` and ``LockUnavailable`` are distinct: none subclasses another,
@@ -138,7 +138,8 @@ class LockLost(DLockError):
 
 
 class LockUnavailable(DLockError):
-    """Too few Redis nodes answered to decide: Redis down, timeouts, or no Redlock quorum.
+    """Too few lock-store nodes answered to decide: a server down, timeouts, or no quorum
+    (of Redlock's masters, or of a ZooKeeper ensemble).
 
     ``errors`` lists ``(node, error)`` pairs, node URLs with any password hidden.
     """

@@ -78,8 +78,8 @@ class LockGuard:
         # directly, with more or fewer keys) goes through as given, as it always did.
         self._options = None if options.keys() == _LOCK_OPTIONS else options
         # The leases entered, per thread (a decorated function may run in several at once,
-        # and re-enter itself). A dict keyed by thread: a threading.local costs ~2 us more
-        # per lock() call, most of what the guard adds to an uncontended cycle.
+        # and re-enter itself). A dict keyed by thread, not a threading.local, which costs
+        # more per lock() call (benchmarks/README.md, "Figures behind the code's constants").
         self._held: dict[int, list[Lease]] = {}
 
     def acquire(self) -> Lease:
@@ -158,7 +158,8 @@ def lock(
     """A distributed lock on ``key``, as a context manager (yielding the lease) or decorator.
 
     ``app_or_urls`` is a Celery app (its ``dlock_urls`` and other ``dlock_*`` settings) or a
-    list of Redis URLs: one URL for a single Redis, three or more for Redlock. ``ttl`` defaults
+    list of URLs as ``dlock_urls`` takes them: one for a single Redis (or Sentinel, Cluster, or
+    a ZooKeeper ensemble), three or more for Redlock. ``ttl`` defaults
     to ``dlock_ttl`` (30 s) and is renewed every ``renew_interval`` (ttl/3) while held.
     ``wait=0`` raises :class:`LockContended` at once when the key is held, ``wait=s`` waits up
     to ``s`` seconds (woken by the release, not by polling), ``wait=None`` waits for good.

@@ -1,6 +1,6 @@
 """What a lock's value says about its holder, and how it is written; who holds a key.
 
-The value stored under a lock key is one line of JSON, readable with ``redis-cli GET``::
+The value stored under a lock key is one line of JSON (on Redis, ``redis-cli GET`` shows it)::
 
     {"token":"Yk3…","holder":"5f0c…-task-id","host":"worker-1","pid":4242,"since":1763773730123,"fence":1763773730124}
 

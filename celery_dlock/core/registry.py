@@ -70,7 +70,7 @@ def manager_for(app_or_urls: Any) -> Backend:
         backend: Backend = app_or_urls
         return backend
     raise ConfigError(
-        "lock() needs a Celery app or a list of Redis URLs as its first argument, not "
+        "lock() needs a Celery app or a list of lock-store URLs as its first argument, not "
         f"{type(app_or_urls).__name__} ({app_or_urls!r})."
     )
 

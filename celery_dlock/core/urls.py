@@ -217,12 +217,12 @@ def check_urls(urls: Any, setting: str = "dlock_urls") -> tuple[str, ...]:
         urls = [urls]
     if not isinstance(urls, Sequence) or isinstance(urls, bytes):
         raise ConfigError(
-            f"{setting} must be a list of Redis URLs, not {type(urls).__name__} ({urls!r})."
+            f"{setting} must be a list of lock-store URLs, not {type(urls).__name__} ({urls!r})."
         )
     if not urls:
         raise ConfigError(
-            f"{setting} is empty: give one Redis URL for a single instance, or three or more "
-            "independent masters for Redlock."
+            f"{setting} is empty: give one URL (redis://host:6379/0, or one zookeeper:// URL "
+            "listing the ensemble), or three or more independent Redis masters for Redlock."
         )
     checked: tuple[str, ...] = backend_module(urls, setting).check_urls(tuple(urls), setting)
     return checked

@@ -183,8 +183,8 @@ def test_an_enqueue_mode_duplicate_send_takes_no_queued_lock(beat_app: Celery) -
     manager = report._dlock().manager
     key = report.lock_key_for((), {})
     first = first_beat.apply_async(entry)
-    assert manager.holder(key).holder == first.id  # the queued lock
-    manager.release_by_holder(key, first.id)  # the first send ran and finished
+    assert manager.holder(key).task_id == first.id  # the queued lock
+    manager.release_by_task(key, first.id)  # the first send ran and finished
     second = second_beat.apply_async(entry)  # the other beat, same slot
     assert second.id != first.id
     # Marked a duplicate of the first send, and no queued lock left behind for it.

@@ -79,7 +79,7 @@ def test_a_duplicate_found_at_publish_is_not_published(
     assert [m["headers"]["id"] for m in queued_messages(app)] == ["first"]
     # The message names its queued lock's acquisition (its token), for a worker discarding it.
     holder = job._dlock().manager.holder(job.lock_key_for((1,), {}))
-    assert queued_messages(app)[0]["headers"][HEADER_QUEUED] == holder.token
+    assert queued_messages(app)[0]["headers"][HEADER_QUEUED] == holder.nonce
     enqueue._held_recently.clear()  # so the duplicate, too, is read at publish
 
     duplicate = job.apply_async((1,), task_id="second")
@@ -126,7 +126,7 @@ def test_many_distinct_keys_each_hold_their_queued_lock(
         holder = manager.holder(job.lock_key_for((n,), {}))
         assert holder is not None
         assert holder.queued
-        assert holder.holder == result.id
+        assert holder.task_id == result.id
     assert len(queued_messages(app)) == 50
 
 

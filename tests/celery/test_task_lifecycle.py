@@ -191,7 +191,7 @@ def test_lock_errors_reach_the_caller_with_their_fields(
     error = contended.value
     assert error.key == wa.raise_task.lock_key_for(("fields",), {})
     assert error.holder is not None
-    assert error.holder.holder == first.id
+    assert error.holder.task_id == first.id
     assert error.retry_after is not None
     assert 0 < error.retry_after <= 3
     assert first.id in str(error)

@@ -102,7 +102,7 @@ def test_key_must_be_non_empty_and_bounded() -> None:
 @pytest.mark.parametrize(
     ("urls", "message"),
     [
-        ([], "dlock_urls is empty: give one Redis URL"),
+        ([], "dlock_urls is empty: give one URL (redis://host:6379/0, or one zookeeper://"),
         (["http://host:6379"], "has scheme 'http'; use redis://host:6379/0"),
         (["redis://a:1,b:2/0"], "lists several hosts in one URL"),
         (["redis+sentinel://a:26379,b:26379"], "names no Sentinel service"),
@@ -136,7 +136,7 @@ def test_key_must_be_non_empty_and_bounded() -> None:
         ([["redis://h"]], "dlock_urls: ['redis://h'] is a list, not a URL string"),
         (
             {"redis://h"},
-            "needs a Celery app or a list of Redis URLs as its first argument, not set",
+            "needs a Celery app or a list of lock-store URLs as its first argument, not set",
         ),
         (
             ["redis://a:1/0", "redis://a:1/3", "redis://b:1/0"],
@@ -244,7 +244,7 @@ def test_bad_settings(setting: str, value: Any, message: str) -> None:
 
 
 def test_first_argument_must_be_app_or_urls() -> None:
-    with pytest.raises(ConfigError, match="needs a Celery app or a list of Redis URLs"):
+    with pytest.raises(ConfigError, match="needs a Celery app or a list of lock-store URLs"):
         lock(3.5, "k")
 
 

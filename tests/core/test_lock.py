@@ -150,7 +150,7 @@ def test_partial_acquisition_is_undone_at_once(redlock_urls: list[str]) -> None:
     with pytest.raises(LockContended) as info, lock(redlock_urls, "split", ttl=10):
         pytest.fail("acquired a minority")
     assert info.value.holder is not None
-    assert info.value.holder.holder == "t-1"
+    assert info.value.holder.task_id == "t-1"
     assert lock_keys(redlock_urls, "split") == [foreign] * 3 + [None] * 2
 
 
@@ -383,12 +383,12 @@ def _on_all(urls: list[str]) -> str:
     return "" if len(urls) == 1 else f" on {len(urls)} of {len(urls)} nodes"
 
 
-def test_release_by_holder_id(urls: list[str]) -> None:
+def test_release_by_task_id(urls: list[str]) -> None:
     manager = manager_for(urls)
     lease, lost, seen = _hold(urls, "by-holder", ttl=5, renew_interval=0.3, holder="task-42")
-    assert manager.release_by_holder("by-holder", "task-41") is False
+    assert manager.release_by_task("by-holder", "task-41") is False
     assert manager.holder("by-holder") is not None
-    assert manager.release_by_holder("by-holder", "task-42") is True
+    assert manager.release_by_task("by-holder", "task-42") is True
     assert manager.holder("by-holder") is None
     # The holder learns of it at its next renewal (on ZooKeeper, from its node's watch).
     assert lost.wait(timeout=2)
@@ -403,7 +403,7 @@ def test_contended_error_names_the_holder(urls: list[str]) -> None:
         error = info.value
         assert error.key == "busy"
         assert error.holder is not None
-        assert error.holder.holder == "task-7"
+        assert error.holder.task_id == "task-7"
         assert error.holder.pid == os.getpid()
         assert "task task-7" in str(error)
         if on_zookeeper(urls):

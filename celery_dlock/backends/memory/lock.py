@@ -234,9 +234,6 @@ class MemoryBackend(BaseBackend):
         """Delete ``key`` if the task ``task_id`` holds it, whichever acquisition."""
         return self.store.delete(self._name(check_key(key)), task_id=task_id)
 
-    #: Older name of :meth:`release_by_task`, still called by existing code.
-    release_by_holder = release_by_task
-
     # -- operators ---------------------------------------------------------------------------
 
     def holder(self, key: str) -> Holder | None:

@@ -65,7 +65,8 @@ class Deferred:
         self._reply: Reply = None
         self.done = False
 
-    def settle(self, reply: Reply) -> None:
+    def set_result(self, reply: Reply) -> None:
+        """Store the reply (or the exception standing in for it), as ``Future.set_result``."""
         self._reply = reply
         self.done = True
 
@@ -77,7 +78,7 @@ class Deferred:
         if not self.done:
             drain(self._node, self._conn)
             if not self.done:  # the connection was dropped before our reply came
-                self.settle(RedisConnectionError(f"connection to {self._node.shown} lost"))
+                self.set_result(RedisConnectionError(f"connection to {self._node.shown} lost"))
         return self._reply
 
 
@@ -147,9 +148,9 @@ def drain(node: Node, conn: Connection, *, more: bool = False) -> bool:
             if node.watched and demoted(reply):
                 refused = True
             elif not refused:
-                _settle(conn)  # a reply came: what was sent before it on this socket arrived
+                _confirm_sent(conn)  # a reply came: what was sent before it on this socket arrived
             if entry.deferred is not None:
-                entry.deferred.settle(reply)
+                entry.deferred.set_result(reply)
         if refused:
             log.warning(
                 "%s: %s:%s is no longer the master; what it refused goes to the master the "
@@ -173,12 +174,12 @@ def drain(node: Node, conn: Connection, *, more: bool = False) -> bool:
         if not is_connected(conn):
             for entry in owed:
                 if entry.deferred is not None and not entry.deferred.done:
-                    entry.deferred.settle(failure or RedisConnectionError("connection lost"))
+                    entry.deferred.set_result(failure or RedisConnectionError("connection lost"))
             owed.clear()  # tracked commands among them are sent again (resend_lost)
     return False
 
 
-def _settle(conn: Connection) -> None:
+def _confirm_sent(conn: Connection) -> None:
     """A reply was read on ``conn``: every tracked command sent before it arrived
     (:mod:`.resends`)."""
     sent = conn._dlock.sent

@@ -702,9 +702,6 @@ class LockManager(BaseBackend):
         one-shot keys); True if deleted on a quorum. See :func:`.ending.release_by_task`."""
         return ending.release_by_task(self, key, task_id)
 
-    #: Older name of :meth:`release_by_task`, still called by existing code.
-    release_by_holder = release_by_task
-
     def release_nonce(self, key: str, nonce: str) -> bool:
         """Delete ``key`` if the acquisition named by ``nonce`` holds it; True if deleted on a
         quorum. See :func:`.ending.release_nonce`."""

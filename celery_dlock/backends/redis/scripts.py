@@ -2,7 +2,7 @@
 
 Each runs atomically on one Redis node; Redlock runs the same script on every node at once.
 Ownership is checked by *prefix*: a value is ``head .. fence .. "}"`` where ``head`` holds the
-acquisition's random token (see :mod:`celery_dlock.core.holder`), so ``head`` alone identifies the
+acquisition's random nonce (see :mod:`celery_dlock.core.holder`), so ``head`` alone identifies the
 owner, and on Redlock each node may append its own fence counter without making values differ
 where it matters.
 
@@ -13,10 +13,9 @@ Requires Redis 6.2+ (or Valkey): scripts call ``TIME`` before writing (effects r
 from __future__ import annotations
 
 #: The most bytes of a lock value a script sends back. This library's values are about 200
-#: bytes; a bigger one was written by something else, and reading it whole (a 256 MB value
-#: took 542 MB in each contender, and its transfer outlasted the node timeout) would let
-#: whoever can write the store exhaust the workers' memory. Scripts send the first
-#: MAX_VALUE bytes and the value's length.
+#: bytes; a bigger one was written by something else, and reading it whole would let whoever
+#: can write the store exhaust the workers' memory (benchmarks/README.md, "Figures behind the
+#: code's constants"). Scripts send the first MAX_VALUE bytes and the value's length.
 MAX_VALUE = 4096
 #: How many blocks of a waiter (each up to the holder's time left, or the waiter's ttl if
 #: longer) one refusal's waiter marker covers: the waiter looks again between them with a bare
@@ -145,12 +144,12 @@ return 1
 #: ARGV[1] value head (or any prefix of it that holds the nonce), ARGV[2] signal ttl in ms,
 #: ARGV[3] "1" to wake a waiter, "0" not to,
 #: "2" only if this call deleted the key (a release sent again: the first one may have woken a
-#: waiter already), ARGV[4] our random token, the signal's content.
+#: waiter already), ARGV[4] our random nonce, the signal's content.
 #: Returns 1 when deleted, 0 when the key was already gone, 2 when someone else holds it.
 #:
 #: The signal list holds at most one element and each BLPOP-ing waiter takes one, so a release
-#: wakes exactly one waiter (no herd). The element names the releasing token: on Redlock the
-#: woken waiter may still find that token on nodes the release has not reached yet, and then
+#: wakes exactly one waiter (no herd). The element names the releasing nonce: on Redlock the
+#: woken waiter may still find that nonce on nodes the release has not reached yet, and then
 #: retries at once instead of sleeping again (which would lose the wake-up). A key already
 #: gone signals too: on Redlock the waiters block on one node, which may be the one that lost
 #: the key. The signal expires, so an
@@ -207,7 +206,7 @@ return 0
 #:
 #: KEYS[1] lock key, KEYS[2] void marker, KEYS[3] revoked marker, KEYS[4] waiter signal list.
 #: ARGV[1] value head, ARGV[2] marker ttl in ms, ARGV[3] signal ttl in ms, ARGV[4] our random
-#: token. Returns 1 when deleted, 0 otherwise.
+#: nonce. Returns 1 when deleted, 0 otherwise.
 RELEASE_LATE = """
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[2])
@@ -242,13 +241,13 @@ end
 return 0
 """
 
-#: Delete the lock if it holds one acquisition, named by its random token: for the parent
+#: Delete the lock if it holds one acquisition, named by its random nonce: for the parent
 #: worker of an execution it knows has ended, and for a queued message that will never run.
 #:
-#: KEYS[1] lock key, KEYS[2] waiter signal list. ARGV[1] the acquisition's token, ARGV[2] signal
+#: KEYS[1] lock key, KEYS[2] waiter signal list. ARGV[1] the acquisition's nonce, ARGV[2] signal
 #: ttl in ms. Returns 1 when deleted, 0 otherwise.
 #:
-#: Every value opens with its token (see :func:`holder.value_head`), so a prefix compares it.
+#: Every value opens with its nonce (see :func:`holder.value_head`), so a prefix compares it.
 #: Unlike RELEASE_HOLDER, which any execution of a task id matches, this never frees the lock
 #: of another execution of the same task (a redelivered copy, the retried run).
 RELEASE_NONCE = """
@@ -313,7 +312,7 @@ return out
 #: https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html).
 #:
 #: KEYS[1] lock key, KEYS[2] fence counter key, KEYS[3] waiter signal list, KEYS[4] the
-#: revoked marker of the acquisition (named after its token). ARGV[1] that token, ARGV[2]
+#: revoked marker of the acquisition (named after its nonce). ARGV[1] that nonce, ARGV[2]
 #: how long the marker lives in ms (longer than the holder could keep renewing unnoticed),
 #: ARGV[3] fence counter retention in ms. Returns 1 when released here, 0 when the key was not
 #: held by that acquisition on this node (a marker is left anyway, for a node that missed it).

@@ -115,7 +115,7 @@ def send_deferred(node: Node, name: str, keys: Sequence[str], args: Sequence[Any
         send_owed(node, conn, Owed(name, tuple(keys), tuple(args), deferred))
     except (RedisError, OSError) as exc:
         conn.disconnect()
-        deferred.settle(exc)
+        deferred.set_result(exc)
     return deferred
 
 

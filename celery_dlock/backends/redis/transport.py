@@ -323,7 +323,7 @@ def _reply(node: Node, conn: Connection) -> Reply:
         return reply
     sent: list[Sent] | None = state.sent
     if sent:
-        sent.clear()  # confirmed (see _settle)
+        sent.clear()  # confirmed (see owed._confirm_sent)
     return reply
 
 

@@ -46,9 +46,10 @@ class ZkLease(Lease):
         #: The cut of a suspended connection, or None while connected.
         self.suspended_until: float | None = None
         self._losing = threading.Lock()
-        self._settle()
+        self._recompute_deadline()
 
-    def _settle(self) -> None:
+    def _recompute_deadline(self) -> None:
+        """The deadline: the earliest of the session's proof, max_hold and a suspension's cut."""
         cut = math.inf if self.suspended_until is None else self.suspended_until
         self._deadline = min(self.session_until, self.bound, cut)
 
@@ -57,14 +58,14 @@ class ZkLease(Lease):
         self.renewals += 1
         if self.renew_interval is not None:
             self.next_renewal = started + self.renew_interval
-        self._settle()
+        self._recompute_deadline()
 
     def suspend(self, until: float) -> None:
         """The connection is gone: valid until ``until`` at most (see the session module)."""
         if self.released or self._lost is not None:
             return
         self.suspended_until = until
-        self._settle()
+        self._recompute_deadline()
         watchdog.add(self)  # wakes the watchdog if the cut comes before its next look
 
     def resume(self) -> None:
@@ -75,7 +76,7 @@ class ZkLease(Lease):
             self.lose(self._expiry_reason())
             return
         self.suspended_until = None
-        self._settle()
+        self._recompute_deadline()
 
     def lose(self, reason: str) -> bool:
         """Report the lease lost from one of kazoo's threads (a watch, the session listener).

@@ -236,9 +236,6 @@ class ZooKeeperBackend(BaseBackend):
         """Delete ``key``'s node if task ``task_id`` holds it, whichever acquisition."""
         return inspection.release_by_task(self.space, key, task_id)
 
-    #: Older name of :meth:`release_by_task`, still called by existing code.
-    release_by_holder = release_by_task
-
     def endpoints(self) -> list[str]:
         """One line per server of the ensemble, credentials hidden, with the chroot."""
         return inspection.endpoints(self.url, self.base)
