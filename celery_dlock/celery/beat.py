@@ -336,7 +336,7 @@ class LeaderScheduler(PersistentScheduler):
             self._follow(exc, key)
             return max(0.05, min(wait + 0.01, self._max_interval()))
         except LockUnavailable as exc:
-            log.warning("beat: cannot reach Redis for the leader lease: %s", exc)
+            log.warning("beat: cannot reach the lock store for the leader lease: %s", exc)
             return min(self.follower_poll, self._max_interval())
         log.info("beat: %s is the leader (fencing token %s)", self._identity, self._lease.token)
         self._following = None

@@ -110,7 +110,7 @@ class SingletonTask(_TaskBase):
     #: Enqueue-time mode: how long a queued message's lock lives (seconds, plus any countdown),
     #: so that a lost message cannot block its key for ever.
     lock_queued_ttl: float = 600.0
-    #: What a task does when Redis is unreachable as it starts: "requeue" (with backoff, up to
+    #: What a task does when the lock store is unreachable as it starts: "requeue" (with backoff, up to
     #: ``lock_requeue_max`` times, then fail with LockUnavailable) or "raise" (fail at once).
     on_lock_unavailable: str = "requeue"
 

@@ -1,6 +1,6 @@
 """Settings: read once from ``app.conf`` (or given as URLs), validated, with clear errors.
 
-Every ``dlock_*`` setting is optional except where no Redis URL can be found at all:
+Every ``dlock_*`` setting is optional except where no lock URL can be found at all:
 
 ================================  ===========  ==============================================
 setting                           default      meaning
@@ -8,8 +8,8 @@ setting                           default      meaning
 ``dlock_urls``                    broker URL   one URL = single Redis; three or more = Redlock;
                                                one ``zookeeper://h1,h2,h3/chroot`` = ZooKeeper
 ``dlock_ttl``                     30           lease length in seconds, renewed while held
-``dlock_prefix``                  ``"dlock"``  prefix of every Redis key the library writes
-``dlock_node_timeout``            0.5          seconds one Redis node may take to answer
+``dlock_prefix``                  ``"dlock"``  prefix of every key the library writes
+``dlock_node_timeout``            0.5          seconds one lock node may take to answer
 ``dlock_drift_factor``            0.01         clock drift allowance, as a fraction of the ttl
 ``dlock_fence_retention``         86400        seconds a key's fence counter is kept unused
 ================================  ===========  ==============================================
