@@ -23,7 +23,7 @@ from celery_dlock.backends.redis.sending import send_script
 from celery_dlock.backends.redis.transport import run_script
 from celery_dlock.core.config import check_key
 from celery_dlock.core.errors import ConfigError
-from celery_dlock.core.holder import head_nonce, value_head
+from celery_dlock.core.holder import NONCE_START, head_nonce, value_head
 from celery_dlock.core.lease import Lease
 from celery_dlock.core.renewal import watchdog
 
@@ -51,7 +51,7 @@ def owner_prefix(head: str, nonce: str) -> str:
     """The start of a value that names its acquisition: ``{"token":"<nonce>"``. What a
     release compares instead of the whole head (fewer bytes, the same owner). ``nonce`` is
     ``head_nonce(head)``, which the caller has at hand."""
-    return head[: len(nonce) + 11]  # len('{"token":"') + the nonce + its closing quote
+    return head[: NONCE_START + len(nonce) + 1]  # up to the nonce's closing quote
 
 
 def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
