@@ -23,7 +23,7 @@ from celery_dlock.backends.redis.sending import send_script
 from celery_dlock.backends.redis.transport import run_script
 from celery_dlock.core.config import check_key
 from celery_dlock.core.errors import ConfigError
-from celery_dlock.core.holder import head_nonce, value_head
+from celery_dlock.core.holder import NONCE_START, head_nonce, value_head
 from celery_dlock.core.lease import Lease
 from celery_dlock.core.renewal import watchdog
 
@@ -47,10 +47,11 @@ def waiting_key(lock_key: str) -> str:
     return lock_key + ":waiting"
 
 
-def owner_prefix(head: str) -> str:
+def owner_prefix(head: str, nonce: str) -> str:
     """The start of a value that names its acquisition: ``{"token":"<nonce>"``. What a
-    release compares instead of the whole head (fewer bytes, the same owner)."""
-    return head[: head.index('"', 10) + 1]
+    release compares instead of the whole head (fewer bytes, the same owner). ``nonce`` is
+    ``head_nonce(head)``, which the caller has at hand."""
+    return head[: NONCE_START + len(nonce) + 1]  # up to the nonce's closing quote
 
 
 def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
@@ -69,13 +70,14 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
         until = time.monotonic() + lease.ttl  # no copy of the key lives longer than this
         silent = lease._silent if isinstance(lease, decisions.RedisLease) else None
         owed = [m.nodes[i] for i in silent] if silent else []
+        failures: list[Reply] = []
         try:
             if not wait:
                 head = lease.head
                 ttl_ms = ms(lease.ttl)
                 nonce = head_nonce(head)
                 script_keys = (keys[0], keys[2], waiting_key(keys[0]))
-                owner = owner_prefix(head)
+                owner = owner_prefix(head, nonce)
                 # Sent again if it may have been lost with its connection: waking a waiter
                 # only if the key was still there (the first one may have landed).
                 resend: Resend = ("release", script_keys, (owner, ttl_ms, "2", nonce), until)
@@ -86,7 +88,8 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
                 replies: list[Reply] = []
             else:
                 replies = release_on(m, m.nodes, keys, lease.head, lease.ttl, wake=True)
-                if any(isinstance(r, BaseException) for r in replies):
+                failures = [r for r in replies if isinstance(r, BaseException)]  # usually none
+                if failures:
                     pairs = zip(m.nodes, replies, strict=True)
                     owed += [n for n, r in pairs if decisions.failed(r)]
             if owed:
@@ -108,16 +111,16 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
             )
             lease.announce_released(False if wait else None)
             return False
-    confirmed = sum(1 for r in replies if r == 1) >= m.quorum if wait else None
+    confirmed = replies.count(1) >= m.quorum if wait else None
     lease.announce_released(confirmed)
     if confirmed is None:
         return False
-    failed = [
-        f"{node.shown} ({describe(r, node)})"
-        for node, r in zip(m.nodes, replies, strict=True)
-        if isinstance(r, BaseException)
-    ]
-    if failed:
+    if failures:
+        failed = [
+            f"{node.shown} ({describe(r, node)})"
+            for node, r in zip(m.nodes, replies, strict=True)
+            if isinstance(r, BaseException)
+        ]
         log_release.warning(
             "release of key=%s token=%s failed on %s; retried in the background, it "
             "expires there within %g s",
@@ -126,7 +129,7 @@ def release(m: RedisNodes, lease: Lease, *, wait: bool = True) -> bool:
             ", ".join(failed),
             lease.ttl,
         )
-    else:
+    elif log_release.isEnabledFor(logging.DEBUG):  # what debug() asks first, one call less
         log_release.debug("released key=%s token=%s", lease.key, lease.token)
     return confirmed
 
@@ -150,11 +153,12 @@ def release_on(
     wake: bool,
 ) -> list[Reply]:
     """Run the release script on ``nodes``; ``wake`` pushes a wake-up for one waiter."""
+    nonce = head_nonce(head)
     return run_script(
         nodes,
         "release",
         (keys[0], keys[2], waiting_key(keys[0])),
-        (owner_prefix(head), ms(max(ttl, 0.001)), "1" if wake else "0", head_nonce(head)),
+        (owner_prefix(head, nonce), ms(max(ttl, 0.001)), "1" if wake else "0", nonce),
         m.settings.node_timeout,
     )
 
