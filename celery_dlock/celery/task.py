@@ -110,8 +110,9 @@ class SingletonTask(_TaskBase):
     #: Enqueue-time mode: how long a queued message's lock lives (seconds, plus any countdown),
     #: so that a lost message cannot block its key for ever.
     lock_queued_ttl: float = 600.0
-    #: What a task does when the lock store is unreachable as it starts: "requeue" (with backoff, up to
-    #: ``lock_requeue_max`` times, then fail with LockUnavailable) or "raise" (fail at once).
+    #: What a task does when the lock store is unreachable as it starts: "requeue" (with
+    #: backoff, up to ``lock_requeue_max`` times, then fail with LockUnavailable) or "raise"
+    #: (fail at once).
     on_lock_unavailable: str = "requeue"
 
     #: Options of celery-singleton and celery-once that this class does not read, each with
