@@ -4,8 +4,8 @@ call to the module of ``celery_dlock.backends.zookeeper`` that does the work. Th
 from the bottom up (an import-linter contract in pyproject.toml keeps them so):
 
 * ``url`` the URL and TLS; ``nodes`` lock node names and data;
-* ``fencing`` what the token is, ``decisions`` a contender's next step (both pure, no
-  I/O); ``lease`` a lease's validity;
+* ``decisions`` a contender's next step and what the fencing token is (pure, no I/O);
+  ``lease`` a lease's validity;
 * ``session`` one kazoo client per process;
 * ``keyspace`` where a backend's nodes live; ``znodes`` the small requests every part sends;
   ``loss`` a holder's watch on its own node; ``reaper`` the clean-up thread;
@@ -122,7 +122,7 @@ class ZooKeeperBackend(BaseBackend):
         ``takeover`` (a task id) adopts that task's queued lock when it is first in line
         (see :mod:`celery_dlock.backends.zookeeper.line`). ``fence_retention`` is moot: the
         token is the key's parent node's creation time in µs plus its count of changes (see
-        :mod:`celery_dlock.backends.zookeeper.fencing`)."""
+        :mod:`celery_dlock.backends.zookeeper.decisions`)."""
         attempt = Attempt(self.space, key, ttl, holder, timed=queued, queued=queued, sender=sender)
         takeover = None if queued else takeover
         return finish(self, self.space, attempt, wait, takeover, max_hold, on_lost)
