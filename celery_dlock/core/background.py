@@ -34,7 +34,10 @@ T = TypeVar("T")
 
 class PerProcess:
     """State that belongs to one process: made by :meth:`fresh` at construction, and again in
-    a forked child (the parent's threads, queued work and held locks are not the child's)."""
+    a forked child (the parent's threads, queued work and held locks are not the child's).
+
+    For process-wide objects made once (module globals): the fork hook cannot be removed, and
+    keeps the object alive for the life of the process."""
 
     def __init__(self) -> None:
         self.fresh()
