@@ -275,11 +275,14 @@ class Backend(LeaseBackend, Protocol):
 
 class BaseBackend:
     """What the backends share above the seam: :meth:`purge` (every backend), and
-    :meth:`acquire`'s argument checks before :meth:`acquire_checked`, which each implements
-    (ZooKeeper overrides :meth:`acquire`: its leases last with the session, so it takes no
-    renewal interval and no fence retention)."""
+    :meth:`acquire`'s argument checks before :meth:`acquire_checked`, which each implements.
+
+    Two hooks let a backend whose leases are not renewed on a ttl (ZooKeeper: a lease lasts
+    with the session) share those checks: :meth:`check_interval` (None: no renewal interval
+    taken) and :attr:`keeps_free_fence` (False: no fence retention taken, nothing is kept)."""
 
     settings: Settings
+    keeps_free_fence: bool
 
     def locks(self, prefix: str = "") -> list[LockInfo]:
         raise NotImplementedError
@@ -332,14 +335,16 @@ class BaseBackend:
         how long this key's fence counter is kept, for one-shot keys that need no history.
         """
         key = check_key(key)
-        factor = self.settings.drift_factor
-        ttl = self.settings.ttl if ttl is None else check_ttl("ttl", ttl, factor)
-        interval = check_renew_interval(renew_interval, ttl, factor) if renew else None
+        settings = self.settings
+        ttl = settings.ttl if ttl is None else check_ttl("ttl", ttl, settings.drift_factor)
+        interval = self.check_interval(renew_interval, ttl) if renew else None
         if wait is not None:
             wait = check_seconds("wait", wait, allow_zero=True)
         if max_hold is not None:
             max_hold = check_seconds("max_hold", max_hold)
-        if fence_retention is not None:
+        if not self.keeps_free_fence:
+            fence_retention = None  # nothing is kept for a free key: no retention to set
+        elif fence_retention is not None:
             fence_retention = check_seconds("fence_retention", fence_retention)
         if holder is not None and not isinstance(holder, str):
             raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
@@ -376,6 +381,12 @@ class BaseBackend:
     ) -> Lease:
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
         raise NotImplementedError
+
+    def check_interval(self, renew_interval: Any, ttl: float) -> float | None:
+        """The renewal interval :meth:`acquire` passes on for ``renew_interval`` (checked
+        against ``ttl``; default ttl / 3); a backend whose leases are not renewed on a ttl
+        returns None, taking none."""
+        return check_renew_interval(renew_interval, ttl, self.settings.drift_factor)
 
 
 def look_again(looks: dict[str, int], reason: str, why: str) -> Literal[Again.LOOK]:

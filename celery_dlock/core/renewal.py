@@ -23,8 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery_dlock.core import forks
-from celery_dlock.core.background import background
+from celery_dlock.core.background import BackgroundThread, background
 from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.signals import lock_acquired, lock_lost
 
@@ -41,41 +40,27 @@ IDLE_TICK = 1.0
 RETRY_FRACTION = 0.25
 
 
-class Watchdog:
+class Watchdog(BackgroundThread):
     """Renews leases in the background; one per process."""
 
-    def __init__(self) -> None:
-        self._pid = forks.pid()
-        self._fresh()
+    thread_name = "dlock-watchdog"
 
-    def _fresh(self) -> None:
+    def fresh(self) -> None:
+        super().fresh()
+        self._leases: set[Lease] = set()
+        self._wake_at = math.inf  # when the thread will look next, if it is waiting
+
+    def condition(self) -> threading.Condition:
         # A plain Lock under the condition: ``with self._lock`` costs no Python-level call,
         # unlike entering the Condition (add and discard run on every task).
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._leases: set[Lease] = set()
-        self._thread: threading.Thread | None = None
-        #: True from the thread's start until its loop ends (cheaper than is_alive() per add).
-        self._running = False
-        self._wake_at = math.inf  # when the thread will look next, if it is waiting
-
-    def _fork_check(self) -> None:
-        if self._pid != forks.pid():
-            # Forked: the parent's leases and thread do not belong to this process.
-            self._pid = forks.pid()
-            self._fresh()
+        return threading.Condition(self._lock)
 
     def add(self, lease: Lease) -> None:
-        if self._pid != forks.pid():
-            self._fork_check()
         with self._lock:
             self._leases.add(lease)
             if not self._running:
-                self._running = True
-                self._thread = threading.Thread(
-                    target=self._run, name="dlock-watchdog", daemon=True
-                )
-                self._thread.start()
+                self.start()
             # Only a lease due before the thread's next look needs waking it: most
             # acquisitions are not, and a needless wake-up costs a GIL hand-off each. This is
             # ``_due_at(lease) < self._wake_at`` without its clock read: a lease whose
@@ -93,7 +78,6 @@ class Watchdog:
         copies of those keys expire unless renewed at once (Redis: a node's sentinels announced
         a new master). A renewal already under way (perhaps on the old master) is followed by
         another at once."""
-        self._fork_check()
         now = time.monotonic()
         with self._cond:
             for lease in self._leases:
@@ -103,8 +87,6 @@ class Watchdog:
             self._cond.notify()
 
     def discard(self, lease: Lease) -> None:
-        if self._pid != forks.pid():
-            self._fork_check()
         with self._lock:
             self._leases.discard(lease)
 
@@ -113,19 +95,10 @@ class Watchdog:
 
     def leases(self) -> list[Lease]:
         """The leases this process holds and renews now."""
-        self._fork_check()
         with self._cond:
             return list(self._leases)
 
-    def _run(self) -> None:
-        cond = self._cond
-        try:
-            self._loop(cond)
-        finally:
-            if cond is self._cond:  # not forked away: a later add() starts another thread
-                self._running = False
-
-    def _loop(self, cond: threading.Condition) -> None:
+    def loop(self, cond: threading.Condition) -> None:
         while True:
             with cond:
                 if cond is not self._cond:

@@ -1,6 +1,6 @@
 """Lock store URLs: which backend serves a URL (the scheme table, each backend module imported
 by name when first needed), the check of a URL list (the backend's own, after a misspelt scheme
-is named), passwords hidden for messages, and the TLS options' warnings.
+is named), passwords hidden for messages, and the TLS options' checks and warnings.
 
 Below :mod:`celery_dlock.core.config`, whose ``Settings`` check their URLs here; the registry
 (:mod:`celery_dlock.core.registry`) makes a backend from the module :func:`backend_module` names.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -114,6 +115,38 @@ SERVER_CERTIFICATE_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
         "ssl_ca_certs=/path/to/ca.pem (the CA that signed it) to the URL",
     ),
 )
+
+
+#: The TLS query options that name PEM files (redis-py's names, on ``rediss://`` and
+#: ``zookeepers://`` URLs alike) and what each file holds, for the errors.
+TLS_FILES = {
+    "ssl_ca_certs": "the CA certificate(s) that signed the {certificates}",
+    "ssl_certfile": "this client's certificate",
+    "ssl_keyfile": "this client's private key",
+}
+
+
+def tls_file_problem(
+    name: str, path: str, certificates: str = "server's certificate"
+) -> tuple[str, str] | None:
+    """What is wrong with TLS file option ``name`` (a key of :data:`TLS_FILES`) set to
+    ``path``, and the fix, for a backend's URL error; None when this process can read the file.
+    ``certificates``: whose certificates a CA file signs (``"servers' certificates"`` for an
+    ensemble)."""
+    what = TLS_FILES[name].format(certificates=certificates)
+    if not path:
+        return f"{name} is empty", f"give the path of a PEM file ({what})."
+    if not os.path.isfile(path):
+        return (
+            f"{name}={path!r} is not a file",
+            f"give the path of a PEM file ({what}) that this process can read.",
+        )
+    if not os.access(path, os.R_OK):
+        return (
+            f"{name}={path!r} cannot be read by this process",
+            f"let this process's user read it ({what}).",
+        )
+    return None
 
 
 def tls_warnings(urls: Sequence[str]) -> list[str]:

@@ -758,8 +758,7 @@ def test_commands_packed_in_c_match_redis_py() -> None:
     from redis.connection import Connection
     from redis.exceptions import DataError
 
-    from celery_dlock.backends.redis.skipping import PROBE_COMMAND, SKIP_REPLY
-    from celery_dlock.backends.redis.wire import pack
+    from celery_dlock.backends.redis.owed import PROBE_COMMAND, SKIP_REPLY, pack
 
     conn = Connection()
     command = ("EVALSHA", "ab" * 20, 3, "k:é", "f", "v", '{"holder":"x"}', "60000", 0, 1.5, b"\x00")
@@ -781,8 +780,7 @@ def test_release_without_waiting_gets_no_reply_and_frees_the_key(urls: list[str]
     server writes no reply, and later commands still read their own replies, also after a
     ``SCRIPT FLUSH`` (an EVALSHA whose NOSCRIPT nobody reads would be lost)."""
     from celery_dlock.backends.redis.connecting import stale
-    from celery_dlock.backends.redis.owed import entries
-    from celery_dlock.backends.redis.skipping import skippable
+    from celery_dlock.backends.redis.owed import entries, skippable
 
     manager = manager_for(urls)
     for i in range(30):
@@ -805,8 +803,7 @@ def test_release_without_client_reply_permission_awaits_replies(server: RedisSer
     """An ACL user with only the documented rules may not run ``CLIENT REPLY``: the first
     release's probe finds that out, and releases go back to replies read later, none misread."""
     from celery_dlock.backends.redis.diagnose import acl_rules
-    from celery_dlock.backends.redis.owed import entries
-    from celery_dlock.backends.redis.skipping import skippable
+    from celery_dlock.backends.redis.owed import entries, skippable
 
     client(server.url).execute_command(
         "ACL", "SETUSER", "noskip", "reset", "on", ">pw", "-@all", *acl_rules().split()

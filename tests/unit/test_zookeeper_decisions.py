@@ -1,4 +1,4 @@
-"""The ZooKeeper backend's pure decisions (zookeeper/decisions.py, fencing.py, nodes.py, the
+"""The ZooKeeper backend's pure decisions (zookeeper/decisions.py, nodes.py, the
 endpoints of inspection.py): given names, listings and stats already read, no server."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
-from celery_dlock.backends.zookeeper import decisions, fencing
+from celery_dlock.backends.zookeeper import decisions
 from celery_dlock.backends.zookeeper.decisions import ADOPT, GONE, REFUSE, WAIT, WON
 from celery_dlock.backends.zookeeper.inspection import endpoints
 from celery_dlock.backends.zookeeper.nodes import (
@@ -126,25 +126,25 @@ def test_our_own_queued_lock_first_in_line_is_adopted_even_out_of_time() -> None
 
 def test_token_is_the_parents_birth_plus_the_seq_until_a_replacement_then_the_cversion() -> None:
     listed = stat(version=0, ctime=1_700_000_000_123)._replace(cversion=90)
-    assert fencing.birth(listed) == 1_700_000_000_123_000  # µs, the Redis tokens' scale
-    assert fencing.birth(None) == 0
-    assert fencing.marks(listed, seq=100) == (101, False)  # listed after our create
-    assert fencing.marks(listed._replace(version=2, cversion=120), seq=100) == (120, True)
-    assert fencing.marks(None, seq=100) == (101, False)
-    assert fencing.token(birth=10**15, replaced=False, count=120, seq=100) == 10**15 + 100
-    assert fencing.token(birth=10**15, replaced=True, count=120, seq=100) == 10**15 + 120
-    assert fencing.adopted(10**15, 130) == 10**15 + 131
+    assert decisions.birth(listed) == 1_700_000_000_123_000  # µs, the Redis tokens' scale
+    assert decisions.birth(None) == 0
+    assert decisions.marks(listed, seq=100) == (101, False)  # listed after our create
+    assert decisions.marks(listed._replace(version=2, cversion=120), seq=100) == (120, True)
+    assert decisions.marks(None, seq=100) == (101, False)
+    assert decisions.token(birth=10**15, replaced=False, count=120, seq=100) == 10**15 + 100
+    assert decisions.token(birth=10**15, replaced=True, count=120, seq=100) == 10**15 + 120
+    assert decisions.adopted(10**15, 130) == 10**15 + 131
 
 
 def test_only_the_second_in_line_of_a_never_replaced_key_skips_the_listing() -> None:
-    assert fencing.may_skip_listing(1, replaced=False)
-    assert not fencing.may_skip_listing(1, replaced=True)
-    assert not fencing.may_skip_listing(2, replaced=False)
-    assert fencing.admitted_by_deletion(True, True, True, False)
-    assert not fencing.admitted_by_deletion(False, True, True, False)
-    assert not fencing.admitted_by_deletion(True, False, True, False)  # a change: list again
-    assert not fencing.admitted_by_deletion(True, True, False, False)  # stale proof
-    assert not fencing.admitted_by_deletion(True, True, True, True)  # our node was deleted
+    assert decisions.may_skip_listing(1, replaced=False)
+    assert not decisions.may_skip_listing(1, replaced=True)
+    assert not decisions.may_skip_listing(2, replaced=False)
+    assert decisions.admitted_by_deletion(True, True, True, False)
+    assert not decisions.admitted_by_deletion(False, True, True, False)
+    assert not decisions.admitted_by_deletion(True, False, True, False)  # a change: list again
+    assert not decisions.admitted_by_deletion(True, True, False, False)  # stale proof
+    assert not decisions.admitted_by_deletion(True, True, True, True)  # our node was deleted
 
 
 # -- replies ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from celery_dlock.backends.memory.store import Refused, Store, Waiter
@@ -176,10 +176,6 @@ class MemoryBackend(BaseBackend):
         """Nothing to send ahead in memory: the caller acquires at once instead."""
 
     # -- hold and end a lease ----------------------------------------------------------------
-
-    def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
-        """True: an acquisition others can read is decided, never undone (settle_time 0)."""
-        return True
 
     def release(self, lease: Lease, *, wait: bool = True) -> bool:
         """Delete the lease's key if it still holds it and wake the first waiter; True if

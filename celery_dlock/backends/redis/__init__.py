@@ -4,8 +4,8 @@ What :mod:`celery_dlock.core.config` asks of a backend module: :func:`check_urls
 :func:`make_backend`. The lock itself is :class:`~.redlock.LockManager`; the modules below it,
 from the wire up: :mod:`.endpoints` (URLs, redis-py clients), :mod:`.scripts` (the Lua),
 :mod:`.nodes` (a node and its connections), :mod:`.failover` (Sentinel's announcements),
-:mod:`.wire` (a command packed, a reply read), :mod:`.connecting` (connects, stale
-connections), :mod:`.skipping` (``CLIENT REPLY SKIP``), :mod:`.owed` (replies still owed),
+:mod:`.connecting` (connects, stale connections), :mod:`.owed` (a command packed, a
+reply read, replies still owed, ``CLIENT REPLY SKIP``),
 :mod:`.resends` (reply-less releases not yet confirmed), :mod:`.sending` (scripts sent without
 waiting), :mod:`.transport` (one command to N nodes), :mod:`.cluster` (Cluster routing),
 :mod:`.diagnose` (what an error means), :mod:`.janitor` (deletes owed to silent nodes),

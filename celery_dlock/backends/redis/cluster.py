@@ -24,9 +24,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock.backends.redis import diagnose, endpoints
 from celery_dlock.backends.redis.nodes import Node, Reply, SentinelNode, is_connected
-from celery_dlock.backends.redis.owed import drain
+from celery_dlock.backends.redis.owed import drain, read
 from celery_dlock.backends.redis.transport import run_script
-from celery_dlock.backends.redis.wire import read
 from celery_dlock.core import forks
 
 #: Redirections (MOVED, ASK) and TRYAGAIN retries one Cluster call follows before giving up.

@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +30,11 @@ from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.urls import (
     CERT_REQS,
     PERCENT_ENCODE,
+    TLS_FILES,
     misread_userinfo,
     redact,
     secret_option,
+    tls_file_problem,
 )
 
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
@@ -43,12 +44,6 @@ SCHEMES = PLAIN_SCHEMES + SENTINEL_SCHEMES + CLUSTER_SCHEMES
 DEFAULT_SENTINEL_PORT = 26379
 #: Query options that configure the sentinels rather than the master.
 SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username")
-#: TLS query options that name files, checked when the URL is parsed.
-TLS_FILES = {
-    "ssl_ca_certs": "the CA certificate(s) that signed the server's certificate",
-    "ssl_certfile": "this client's certificate",
-    "ssl_keyfile": "this client's private key",
-}
 
 FIX = (
     "use redis://host:6379/0, rediss:// for TLS, unix:///path/to/socket, "
@@ -312,11 +307,9 @@ def _redis_options(url: str, raw_query: str, query: dict[str, str], setting: str
             f"{', '.join(CERT_REQS)}; {hint}'required' (the default) checks the server's "
             "certificate."
         )
-    for name, what in TLS_FILES.items():
+    for name in TLS_FILES:  # checked when the URL is parsed, not at the first connection
         path = options.get(name)
-        if isinstance(path, str) and not os.path.isfile(path):
-            raise ConfigError(
-                f"{setting}: {redact(url)!r}: {name}={path!r} is not a file; give the path of a "
-                f"PEM file ({what}) that this process can read."
-            )
+        problem = tls_file_problem(name, path) if isinstance(path, str) else None
+        if problem is not None:
+            raise ConfigError(f"{setting}: {redact(url)!r}: {problem[0]}; {problem[1]}")
     return options

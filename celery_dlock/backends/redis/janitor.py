@@ -37,7 +37,7 @@ from typing import Any
 from celery_dlock.backends.redis import resends
 from celery_dlock.backends.redis.nodes import Node
 from celery_dlock.backends.redis.transport import run_script
-from celery_dlock.core import forks
+from celery_dlock.core.background import BackgroundThread
 
 log = logging.getLogger("celery_dlock.release")
 
@@ -69,25 +69,20 @@ class _Item:
     failures: int = field(compare=False, default=0)
 
 
-class Janitor:
+class Janitor(BackgroundThread):
     """A background thread that lands voids and owed releases on silent nodes."""
 
+    thread_name = "dlock-janitor"
+
     def __init__(self) -> None:
-        self._pid = forks.pid()
-        self._cond = threading.Condition()
-        self._heap: list[_Item] = []
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._next_sweep = 0.0
+        super().__init__()
         resends.sweeper = self.wake
 
-    def _fork_check(self) -> None:
-        if self._pid != forks.pid():  # forked: the parent's pending work is not ours
-            self._pid = forks.pid()
-            self._cond = threading.Condition()
-            self._heap = []
-            self._thread = None
-            self._next_sweep = 0.0
+    def fresh(self) -> None:
+        super().fresh()  # in a forked child: the parent's pending work is not ours
+        self._heap: list[_Item] = []
+        self._seq = itertools.count()
+        self._next_sweep = 0.0
 
     def void(
         self, nodes: Sequence[Node], lock_key: str, void_key: str, head: str, until: float
@@ -111,34 +106,27 @@ class Janitor:
         self, work: list[tuple[Node, str, tuple[str, ...], tuple[Any, ...]]], until: float,
         ttl: float,
     ) -> None:  # fmt: skip
-        self._fork_check()
         now = time.monotonic()
         with self._cond:
             for node, name, keys, args in work:
                 item = _Item(now, next(self._seq), node, name, keys, args, until, ttl)
                 heapq.heappush(self._heap, item)
-            self._start()
+            self.start()
             self._cond.notify()
 
     def wake(self) -> None:
         """Called by :mod:`.resends` when a connection first carries a tracked command."""
-        self._fork_check()
         with self._cond:
-            self._start()
+            self.start()
             self._cond.notify()
-
-    def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="dlock-janitor", daemon=True)
-            self._thread.start()
 
     def pending(self) -> int:
         with self._cond:
             return len(self._heap)
 
-    def _run(self) -> None:
+    def loop(self, cond: threading.Condition) -> None:
         while True:
-            with self._cond:
+            with cond:
                 due = self._next_round()
             try:
                 self._serve(due)

@@ -1,15 +1,27 @@
-"""The replies a connection still owes: commands sent without waiting, read before its next one.
+"""One connection's commands: packed for the wire, replies read, and the replies it still owes.
 
-A command sent without waiting (:mod:`.sending`) is an :class:`Owed` entry on its connection's
+**A command and its reply** (:func:`pack`, :func:`read`, :func:`demoted`): the lowest layer of
+the Redis transport; every other module that writes to a connection packs and reads through
+these.
+
+**Owed replies**: commands sent without waiting, read before the connection's next one. A
+command sent without waiting (:mod:`.sending`) is an :class:`Owed` entry on its connection's
 :class:`~.nodes.ConnState`. Redis answers a connection's commands in order, so before anything
 else is written there, :func:`drain` reads those replies: a :class:`Deferred` caller's reply
 goes to it, a forgotten script is sent again as source, and a connection that fails on the way
 is dropped, with the error as the reply of everyone still waiting on it.
+
+**``CLIENT REPLY SKIP``** (:func:`skippable`, :func:`read_probe`): a release nobody waits for
+goes out after ``CLIENT REPLY SKIP`` (:mod:`.sending`), so the server writes no reply. An ACL
+user may not be allowed ``CLIENT REPLY``; the first such send on a socket carries a probe after
+it, and the probe's reply, read as an owed reply, says whether the skip worked. The answer is
+kept on the connection's :class:`~.nodes.ConnState`, for its socket.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, cast
 
 from redis.exceptions import AskError, NoScriptError, RedisError, ResponseError
@@ -23,11 +35,93 @@ from celery_dlock.backends.redis.nodes import (
     Reply,
     is_connected,
 )
-from celery_dlock.backends.redis.skipping import PROBE, read_probe
-from celery_dlock.backends.redis.wire import demoted, pack, read
 
 #: The logger operators know for connection problems with one node (docs/operations.md).
 log = logging.getLogger("celery_dlock.transport")
+
+# -- one command on one connection: packed, its reply read ------------------------------------
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:  # redis-py's own serializer wraps this C packer in Python that costs more than it does
+    import hiredis
+
+    _hiredis_pack = hiredis.pack_command
+except ImportError:  # pragma: no cover - hiredis is optional (the "fast" extra)
+    _hiredis_pack = None
+
+
+def pack(conn: Connection, command: tuple[Any, ...]) -> Any:
+    """``command`` in the wire protocol, for ``send_packed_command``.
+
+    hiredis packs str, bytes and numbers exactly as redis-py does; anything else, or no
+    hiredis, goes through the connection's own serializer.
+    """
+    if _hiredis_pack is not None:
+        try:
+            return [_hiredis_pack(command)]  # a list: a bare bytes object would be iterated
+        except TypeError:
+            pass
+    return conn.pack_command(*command)
+
+
+def read(conn: Connection) -> Reply:
+    """One reply, or the exception that stands in for it."""
+    try:
+        return conn.read_response()
+    except (RedisError, OSError) as exc:
+        return exc
+
+
+def demoted(reply: Reply) -> bool:
+    """True for a reply that says the server is no longer a master: redis-py's own conversion
+    of ``READONLY`` (Redis 7) or the ``ResponseError`` a script gets on Redis 6.2."""
+    if isinstance(reply, ResponseError):
+        return "READONLY" in str(reply)
+    return isinstance(reply, RedisConnectionError) and "now a slave" in str(reply)
+
+
+# -- CLIENT REPLY SKIP: whether a connection's server honours it, and the probe --------------
+
+#: ``CLIENT REPLY SKIP``, packed once: sent before a command whose reply nobody will read
+#: (Redis 3.2+, Valkey).
+SKIP_REPLY = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$4\r\nSKIP\r\n"
+PROBE = "\0probe"  # the name of the owed entry that finds out whether SKIP_REPLY works
+#: The probe, packed once: ``EVAL "return 'dlock-skip-probe'" 0``. A script, because a lock
+#: user may run scripts (and maybe nothing else, not even PING); its reply cannot be mistaken
+#: for a release's integer.
+PROBE_COMMAND = b"*3\r\n$4\r\nEVAL\r\n$25\r\nreturn 'dlock-skip-probe'\r\n$1\r\n0\r\n"
+_PROBE_REPLIES = (b"dlock-skip-probe", "dlock-skip-probe")
+
+
+def skippable(conn: Connection) -> bool | None:
+    """Whether this connection's server honours ``CLIENT REPLY SKIP``; None: not asked yet."""
+    state: ConnState = conn._dlock
+    sock = conn._sock
+    if state.sock is not sock:  # a new socket: ask again
+        state.on(sock)
+    return state.skip
+
+
+def read_probe(conn: Connection) -> None:
+    """Read what a probe sent with a reply-less release (:mod:`.sending`) brought back: the
+    probe's reply alone if the skip worked; else the refusal of ``CLIENT REPLY``, the
+    command's own reply (or error), then the probe's."""
+    worked = True
+    for _ in range(3):
+        try:
+            reply = conn.read_response()
+        except ResponseError:
+            worked = False
+            continue
+        if reply in _PROBE_REPLIES:
+            break
+        worked = False
+    conn._dlock.on(conn._sock).skip = worked
+    if not worked:
+        log.info("CLIENT REPLY SKIP is refused on this connection; releases await replies")
+
+
+# -- the replies a connection still owes ------------------------------------------------------
 
 
 class Owed:

@@ -3,8 +3,9 @@ reply is read later (:func:`send_deferred`).
 
 The connection is made ready first (:func:`prepare`: connected, owed replies read, a
 server-closed socket replaced, lost releases sent again), so a failure here means the node
-really is unreachable. The reply then is owed (:mod:`.owed`), or never written at all
-(:mod:`.skipping`), and a reply-less release is tracked until confirmed (:mod:`.resends`).
+really is unreachable. The reply then is owed, or never written at all (``CLIENT REPLY
+SKIP``; both in :mod:`.owed`), and a reply-less release is tracked until confirmed
+(:mod:`.resends`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,19 @@ from celery_dlock.backends.redis.nodes import (
     is_connected,
     reconnect,
 )
-from celery_dlock.backends.redis.owed import Deferred, Owed, drain, entries, send_owed
+from celery_dlock.backends.redis.owed import (
+    PROBE,
+    PROBE_COMMAND,
+    SKIP_REPLY,
+    Deferred,
+    Owed,
+    drain,
+    entries,
+    pack,
+    send_owed,
+    skippable,
+)
 from celery_dlock.backends.redis.resends import Resend, Sent, resend_lost, track
-from celery_dlock.backends.redis.skipping import PROBE, PROBE_COMMAND, SKIP_REPLY, skippable
-from celery_dlock.backends.redis.wire import pack
 
 #: The logger operators know for connection problems with one node (docs/operations.md).
 log = logging.getLogger("celery_dlock.transport")
@@ -151,7 +161,7 @@ def _send_unanswered(
     next reply on the connection and the key left there until its ttl. The first time on a
     connection the command goes out with a probe (a trivial script after it): an ACL user
     without ``CLIENT REPLY`` gets an error for it and every reply comes back, and the probe's
-    reader then turns skipping off for that connection (see :func:`.skipping.read_probe`).
+    reader then turns skipping off for that connection (see :func:`.owed.read_probe`).
     """
     if node.owner is not None or node.watched:
         return False

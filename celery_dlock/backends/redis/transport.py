@@ -11,8 +11,8 @@ options, TLS, authentication and the hiredis parser work as in redis-py. Scripts
 ``Script`` objects registered on each node's client; their SHA is what we send.
 
 This module is the fan-out (:func:`run_script`) and the one-node exchange (one plain node,
-:func:`blocking_pop`). Below it: :mod:`.wire` (packing, reading), :mod:`.connecting` (connects,
-stale connections), :mod:`.owed` (replies still owed, read before the next command),
+:func:`blocking_pop`). Below it: :mod:`.connecting` (connects, stale connections),
+:mod:`.owed` (packing, reading, replies still owed, read before the next command),
 :mod:`.resends` (reply-less releases not yet confirmed); beside it, :mod:`.sending` (scripts
 sent without waiting). The nodes and their connections are :mod:`celery_dlock.backends.redis.nodes`;
 a Redis Cluster (:mod:`celery_dlock.backends.redis.cluster`) routes each call to one of its masters,
@@ -50,10 +50,9 @@ from celery_dlock.backends.redis.nodes import (
     connect,
     reconnect,
 )
-from celery_dlock.backends.redis.owed import drain
+from celery_dlock.backends.redis.owed import demoted, drain, pack, read
 from celery_dlock.backends.redis.resends import Sent, resend_lost
 from celery_dlock.backends.redis.sending import prepare
-from celery_dlock.backends.redis.wire import demoted, pack, read
 
 #: The logger operators know for connection problems with one node (docs/operations.md).
 log = logging.getLogger("celery_dlock.transport")

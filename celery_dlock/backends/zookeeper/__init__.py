@@ -3,7 +3,7 @@
 
 Needs kazoo (``pip install celery-dlock[zookeeper]``). The lock recipe is described in
 :mod:`celery_dlock.backends.zookeeper.line`, its fencing token in
-:mod:`celery_dlock.backends.zookeeper.fencing`, timed nodes (queued locks, hand-overs, forgotten
+:mod:`celery_dlock.backends.zookeeper.decisions`, timed nodes (queued locks, hand-overs, forgotten
 leases) in
 :mod:`celery_dlock.backends.zookeeper.timed`, a lease's validity in
 :mod:`celery_dlock.backends.zookeeper.lease`; how the session's states map onto a lease's validity

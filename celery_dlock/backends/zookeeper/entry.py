@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from kazoo.exceptions import ConnectionLoss, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
-from celery_dlock.backends.zookeeper.fencing import birth, marks
+from celery_dlock.backends.zookeeper.decisions import birth, marks
 from celery_dlock.backends.zookeeper.keyspace import Keyspace
 from celery_dlock.backends.zookeeper.loss import Guard
 from celery_dlock.backends.zookeeper.nodes import identity, seq_of, task_name

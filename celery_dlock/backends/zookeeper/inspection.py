@@ -11,7 +11,7 @@ from urllib.parse import unquote
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
-from celery_dlock.backends.zookeeper import fencing
+from celery_dlock.backends.zookeeper import decisions
 from celery_dlock.backends.zookeeper.decisions import serving
 from celery_dlock.backends.zookeeper.keyspace import Keyspace
 from celery_dlock.backends.zookeeper.nodes import (
@@ -32,7 +32,7 @@ log = logging.getLogger("celery_dlock.zookeeper")
 
 def _nodes(space: Keyspace, key: str) -> tuple[KazooClient, SharedClient, str, list[NodeName], int]:
     """The key's parent, its children in line order (empty when none), and the first part of
-    its tokens (:func:`celery_dlock.backends.zookeeper.fencing.birth`)."""
+    its tokens (:func:`celery_dlock.backends.zookeeper.decisions.birth`)."""
     session, client = space.client()
     parent = space.parent(key)
     try:
@@ -43,7 +43,7 @@ def _nodes(space: Keyspace, key: str) -> tuple[KazooClient, SharedClient, str, l
         children, listed = [], None
     except KAZOO_ERRORS as exc:
         raise space.unavailable(key, "inspect", exc) from exc
-    return client, session, parent, in_line(list(children)), fencing.birth(listed)
+    return client, session, parent, in_line(list(children)), decisions.birth(listed)
 
 
 def _holder_node(space: Keyspace, key: str) -> tuple[str, Holder, int | None] | None:

@@ -12,15 +12,15 @@ Names and data are described in :mod:`celery_dlock.backends.zookeeper.nodes`; li
 *order*, its own sequence number unless it inherited one (a replacement, see
 :mod:`celery_dlock.backends.zookeeper.timed`). Joining the line (create and list) is
 :mod:`celery_dlock.backends.zookeeper.entry`; the next step given a listing is
-:func:`celery_dlock.backends.zookeeper.decisions.admission`; the fencing token
-:mod:`celery_dlock.backends.zookeeper.fencing`.
+:func:`celery_dlock.backends.zookeeper.decisions.admission`, which also holds the fencing
+token's rules.
 
 * **Cost.** The create and the listing of the parent are sent back to back on the session's
   connection, which ZooKeeper answers in order, so the listing already shows our node: taking a
   free key is one create and one list in one round trip; a refusal (``wait=0``) adds the read
   of the holder's identity and the delete of our node, again in one round trip; a release
   admits the next waiter with no request of its own, or (in a key that had a replacement)
-  one listing (see :mod:`celery_dlock.backends.zookeeper.fencing`).
+  one listing (see :mod:`celery_dlock.backends.zookeeper.decisions`).
 * **Session nodes** (ephemeral) are what :meth:`ZooKeeperBackend.acquire` takes: the lease
   lasts as long as the session, and its validity follows the session (:class:`ZkLease`).
   **Timed nodes** (persistent), for queued locks, hand-overs and forgotten leases, hold a key
@@ -58,7 +58,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import EventType, WatchedEvent
 
-from celery_dlock.backends.zookeeper import decisions, fencing
+from celery_dlock.backends.zookeeper import decisions
 from celery_dlock.backends.zookeeper.entry import Attempt, Entered
 from celery_dlock.backends.zookeeper.keyspace import Keyspace
 from celery_dlock.backends.zookeeper.loss import Guard
@@ -84,7 +84,7 @@ class Won(NamedTuple):
     """Where an acquisition ended up first in line."""
 
     path: str
-    token: int  # its fencing token (see the fencing module)
+    token: int  # its fencing token (see the decisions module)
     ctime_ms: int
     proven: float  # when the request that proved it (and the session) was sent
     waited: bool
@@ -146,7 +146,7 @@ def queue(
                 key=key,
             )
         if step.kind == decisions.WON:
-            token = fencing.token(birth=birth, replaced=replaced, count=count, seq=seq)
+            token = decisions.token(birth=birth, replaced=replaced, count=count, seq=seq)
             return Won(path, token, int(entered.stat.ctime), proven, waited, attempt.guard)
         head = step.node
         assert head is not None
@@ -163,19 +163,19 @@ def queue(
                 raise refusal
         else:
             waited = True
-            shortcut = fencing.may_skip_listing(step.position, replaced)
+            shortcut = decisions.may_skip_listing(step.position, replaced)
             now_ms, now_at, proven, done = wait_behind(
                 space, attempt, head, shortcut, deadline, now_ms, now_at, proven
             )
             if done:
-                token = fencing.token(birth=birth, replaced=False, count=count, seq=seq)
+                token = decisions.token(birth=birth, replaced=False, count=count, seq=seq)
                 return Won(path, token, int(entered.stat.ctime), proven, True, attempt.guard)
         try:
             asked = time.monotonic()
             children, listed = session.call(
                 lambda: client.get_children_async(parent, include_data=True)
             )
-            count, replaced = fencing.marks(listed, seq)
+            count, replaced = decisions.marks(listed, seq)
             proven = asked
         except KAZOO_ERRORS as exc:
             raise space.unavailable(key, "wait for", exc) from exc
@@ -219,7 +219,8 @@ def wait_behind(
     """Watch the node just ahead of ours until it changes or goes, ``deadline``, or (a
     timed node) its expiry. Returns the freshest stamp of the leader's clock, when its
     reply arrived, the proof time, and True when we are certainly first in line now
-    (only with ``shortcut``: :func:`~celery_dlock.backends.zookeeper.fencing.admitted_by_deletion`);
+    (only with ``shortcut``:
+    :func:`~celery_dlock.backends.zookeeper.decisions.admitted_by_deletion`);
     else the caller lists again."""
     client, session, guard = attempt.client, attempt.session, attempt.guard
     woken = threading.Event()
@@ -265,7 +266,7 @@ def wait_behind(
         # The proof must leave the lease most of its validity, which the ttl caps too: a
         # proof older than the ttl would give a lease born expired.
         fresh = time.monotonic() - proven < min(session.negotiated, attempt.ttl) / 3
-        done = fencing.admitted_by_deletion(shortcut, deleted, fresh, guard.deleted)
+        done = decisions.admitted_by_deletion(shortcut, deleted, fresh, guard.deleted)
         return now_ms, now_at, proven, done
     except KAZOO_ERRORS as exc:
         raise space.unavailable(attempt.key, "wait for", exc) from exc
@@ -292,7 +293,7 @@ def _adopt(
     guard.path = adopted.path
     guard.watch_own(now=True)
     log.debug("key=%s: adopted the queued lock of %s", attempt.key, attempt.holder)
-    token = fencing.adopted(birth, seq_of(adopted.path))
+    token = decisions.adopted(birth, seq_of(adopted.path))
     return Won(adopted.path, token, adopted.ctime_ms, adopted.asked, waited, guard)
 
 

@@ -4,8 +4,8 @@ call to the module of ``celery_dlock.backends.zookeeper`` that does the work. Th
 from the bottom up (an import-linter contract in pyproject.toml keeps them so):
 
 * ``url`` the URL and TLS; ``nodes`` lock node names and data;
-* ``fencing`` what the token is, ``decisions`` a contender's next step (both pure, no
-  I/O); ``lease`` a lease's validity;
+* ``decisions`` a contender's next step and what the fencing token is (pure, no I/O);
+  ``lease`` a lease's validity;
 * ``session`` one kazoo client per process;
 * ``keyspace`` where a backend's nodes live; ``znodes`` the small requests every part sends;
   ``loss`` a holder's watch on its own node; ``reaper`` the clean-up thread;
@@ -19,7 +19,7 @@ from the bottom up (an import-linter contract in pyproject.toml keeps them so):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from celery_dlock.backends.zookeeper import holding, inspection, timed
@@ -36,11 +36,8 @@ from celery_dlock.core.config import (
     DEFAULT_PREFIX,
     DEFAULT_TTL,
     Settings,
-    check_key,
-    check_seconds,
-    check_ttl,
 )
-from celery_dlock.core.errors import ConfigError, LockUnavailable
+from celery_dlock.core.errors import LockUnavailable
 from celery_dlock.core.holder import Holder, LockInfo
 from celery_dlock.core.lease import Lease, LostCallback
 
@@ -93,57 +90,12 @@ class ZooKeeperBackend(BaseBackend):
 
     # -- acquire ---------------------------------------------------------------------------
 
-    def acquire(
-        self,
-        key: str,
-        *,
-        ttl: float | None = None,
-        wait: float | None = 0.0,
-        holder: str | None = None,
-        renew: bool = True,
-        renew_interval: float | None = None,
-        max_hold: float | None = None,
-        on_lost: LostCallback | None = None,
-        takeover: str | None = None,
-        queued: bool = False,
-        sender: Any = None,
-        fence_retention: float | None = None,
-    ) -> ZkLease:
-        """Take ``key``: ``wait=0`` raises :class:`LockContended` at once when it is held,
-        ``wait=s`` queues up to ``s`` seconds (FIFO), ``wait=None`` without bound.
-
-        A lease on a session node: no ttl bounds it, its node lasts while the session does,
-        and its validity is confirmed every third of the session timeout (:class:`ZkLease`);
-        ``ttl`` only times :meth:`forget`, and ``renew``/``renew_interval`` are accepted for
-        the common signature and unused. ``queued=True`` takes a *timed* node instead, held
-        for ``ttl`` whatever becomes of this process (a queued lock, enqueue-time mode).
-        ``takeover`` (a task id) adopts that task's queued lock when it is first in line
-        (see :mod:`celery_dlock.backends.zookeeper.line`). ``fence_retention`` is moot: the token
-        is the key's parent node's creation time in µs plus its count of changes (see
-        :mod:`celery_dlock.backends.zookeeper.fencing`).
-        """
-        key = check_key(key)
-        ttl = self.ttl if ttl is None else check_ttl("ttl", ttl, self.drift_factor)
-        if wait is not None:
-            wait = check_seconds("wait", wait, allow_zero=True)
-        if max_hold is not None:
-            max_hold = check_seconds("max_hold", max_hold)
-        if holder is not None and not isinstance(holder, str):
-            raise ConfigError(f"holder must be a str (a task id) or None, not {holder!r}.")
-        if takeover is not None and not isinstance(takeover, str):
-            raise ConfigError(f"takeover must be a str (a task id) or None, not {takeover!r}.")
-        return self.acquire_checked(
-            key,
-            ttl,
-            wait,
-            holder=holder,
-            interval=None,
-            max_hold=max_hold,
-            on_lost=on_lost,
-            takeover=takeover,
-            queued=queued,
-            sender=sender,
-        )
+    def check_interval(self, renew_interval: Any, ttl: float) -> None:
+        """None, whatever ``renew_interval`` says: a lease here is a session node, with no ttl
+        to renew; its validity is confirmed every third of the session timeout
+        (:class:`ZkLease`), so ``renew``/``renew_interval`` are accepted for the common
+        signature and unused (see :meth:`BaseBackend.acquire`)."""
+        return
 
     def acquire_checked(
         self,
@@ -160,7 +112,17 @@ class ZooKeeperBackend(BaseBackend):
         sender: Any = None,
         fence_retention: float | None = None,
     ) -> ZkLease:
-        """:meth:`acquire` for arguments already checked."""
+        """:meth:`acquire` for arguments already checked: ``wait=0`` raises
+        :class:`LockContended` at once when ``key`` is held, ``wait=s`` queues up to ``s``
+        seconds (FIFO), ``wait=None`` without bound.
+
+        A lease on a session node: no ttl bounds it, its node lasts while the session does;
+        ``ttl`` only times :meth:`forget`. ``queued=True`` takes a *timed* node instead, held
+        for ``ttl`` whatever becomes of this process (a queued lock, enqueue-time mode).
+        ``takeover`` (a task id) adopts that task's queued lock when it is first in line
+        (see :mod:`celery_dlock.backends.zookeeper.line`). ``fence_retention`` is moot: the
+        token is the key's parent node's creation time in µs plus its count of changes (see
+        :mod:`celery_dlock.backends.zookeeper.decisions`)."""
         attempt = Attempt(self.space, key, ttl, holder, timed=queued, queued=queued, sender=sender)
         takeover = None if queued else takeover
         return finish(self, self.space, attempt, wait, takeover, max_hold, on_lost)
@@ -178,10 +140,6 @@ class ZooKeeperBackend(BaseBackend):
         return Pending(self, self.space, attempt)
 
     # -- hold and end a lease ----------------------------------------------------------------
-
-    def confirm_holder(self, key: str, holder: Holder, ran: Callable[[str | None], bool]) -> bool:
-        """True: an acquisition others can read is decided, never undone (settle_time 0)."""
-        return True
 
     def release(self, lease: Lease, *, wait: bool = True) -> bool:
         """Delete the lease's node (:func:`celery_dlock.backends.zookeeper.holding.release`)."""

@@ -132,7 +132,7 @@ def identity(
     anchor_ms: int | None = None,
 ) -> str:
     """The JSON a lock node holds (the same fields as a Redis lock value, fence excepted: the
-    fence is known only once the node exists, see :mod:`celery_dlock.backends.zookeeper.fencing`).
+    fence is known only once the node exists, see :mod:`celery_dlock.backends.zookeeper.decisions`).
     ``ttl`` makes it a timed node's data; ``anchor_ms`` its ``from`` (see :func:`expires_ms`)."""
     data: dict[str, Any] = {"token": nonce, "holder": holder}
     if queued:
@@ -168,7 +168,7 @@ def ttl_ms(ttl: float) -> int:
 
 def read_holder(raw: bytes | None, stat: ZnodeStat, fence: int | None = None) -> Holder | None:
     """A lock node's data and stat as a :class:`Holder`; None if unreadable. ``fence`` is the
-    holder's token, or at most it (see :mod:`celery_dlock.backends.zookeeper.fencing`); the node's
+    holder's token, or at most it (see :mod:`celery_dlock.backends.zookeeper.decisions`); the node's
     czxid when not given."""
     try:
         data = json.loads(raw or b"")

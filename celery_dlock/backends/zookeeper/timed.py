@@ -41,7 +41,7 @@ replacements that make them.
   replaced node is gone only when the replacement exists. The waiter right behind sees its
   watch fire as a change, lists the children again, finds the replacement ahead of it and
   watches that instead. The same transaction sets the key's parent's data (see
-  :mod:`celery_dlock.backends.zookeeper.fencing`).
+  :mod:`celery_dlock.backends.zookeeper.decisions`).
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def hand_over(space: Keyspace, lease: Lease, ttl: float) -> str | None:
     by that task id, living ``ttl``. Returns the queued lock's nonce (for the message to
     carry), or None when the lease was no longer held. The queued lock's fencing token
     (from its sequence number) is larger than the lease's: see
-    :mod:`celery_dlock.backends.zookeeper.fencing`."""
+    :mod:`celery_dlock.backends.zookeeper.decisions`."""
     assert isinstance(lease, ZkLease)
     session = space.shared
     nonce = secrets.token_urlsafe(15)

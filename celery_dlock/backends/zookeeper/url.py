@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import re
 import ssl
 from collections.abc import Callable
@@ -61,8 +60,10 @@ from celery_dlock.core.errors import ConfigError
 from celery_dlock.core.urls import (
     PERCENT_ENCODE,
     SERVER_CERTIFICATE_HINTS,
+    TLS_FILES,
     misread_userinfo,
     redact,
+    tls_file_problem,
 )
 
 SCHEME = "zookeeper"
@@ -88,12 +89,6 @@ TLS_OPTIONS = (
 CERT_REQS = {"required": True, "optional": True, "none": False}
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
-#: What each file option names, for the errors.
-_FILES = {
-    "ssl_ca_certs": "the CA certificate(s) that signed the servers' certificates",
-    "ssl_certfile": "this client's certificate",
-    "ssl_keyfile": "this client's private key",
-}
 
 _HOST = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9_.-]+))(?::(?P<port>\d*))?$")
 _NODE_NAME = re.compile(r"^[^\x00-\x1f\x7f]+$")
@@ -367,22 +362,13 @@ def _tls(options: dict[str, str], bad: Callable[[str, str], ConfigError]) -> ZkT
                 "ssl_check_hostname.",
             )
     files: dict[str, str] = {}
-    for name, what in _FILES.items():
+    for name in TLS_FILES:
         path = options.get(name)
         if path is None:
             continue
-        if not path:
-            raise bad(f"{name} is empty", f"give the path of a PEM file ({what}).")
-        if not os.path.isfile(path):
-            raise bad(
-                f"{name}={path!r} is not a file",
-                f"give the path of a PEM file ({what}) that this process can read.",
-            )
-        if not os.access(path, os.R_OK):
-            raise bad(
-                f"{name}={path!r} cannot be read by this process",
-                f"let this process's user read it ({what}).",
-            )
+        problem = tls_file_problem(name, path, "servers' certificates")
+        if problem is not None:
+            raise bad(*problem)
         files[name] = path
     password = options.get("ssl_password")
     if "ssl_keyfile" in files and "ssl_certfile" not in files:

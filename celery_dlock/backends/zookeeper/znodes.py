@@ -81,7 +81,7 @@ def find(
 def stamp(client: KazooClient, session: SharedClient, base: str) -> tuple[int, float]:
     """A fresh stamp of the leader's clock (ms): the ``mtime`` of an empty ``setData`` on
     the ``base`` node above every key (nobody watches its data; a key's parent's data
-    version counts replacements, see :mod:`celery_dlock.backends.zookeeper.fencing`), and when its
+    version counts replacements, see :mod:`celery_dlock.backends.zookeeper.decisions`), and when its
     reply arrived."""
     stat = session.call(partial(client.set_async, base, b""))
     return int(stat.mtime), time.monotonic()

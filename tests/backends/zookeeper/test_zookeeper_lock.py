@@ -521,6 +521,24 @@ def test_release_is_idempotent_and_frees_the_key(url: str) -> None:
 
 
 @needs_zk
+def test_acquire_takes_no_renew_interval_nor_fence_retention_the_session_paces_renewal(
+    url: str,
+) -> None:
+    """The shared argument checks (BaseBackend.acquire) take neither here: a session lease is
+    confirmed at the session's pace whatever ``renew_interval`` says (even one no ttl would
+    allow), and a free key keeps no fence counter to retain."""
+    backend = ZooKeeperBackend(url, ttl=3.0)
+    lease = backend.acquire("paced", renew_interval=60.0, fence_retention=0.001)
+    try:
+        session = backend.shared
+        assert lease.renew_interval == renew_every(min(session.negotiated, 3.0))
+    finally:
+        assert lease.release() is True
+    with pytest.raises(ConfigError, match="ttl"):
+        backend.acquire("paced", ttl=-1)
+
+
+@needs_zk
 def test_session_expiry_ends_the_lease_before_another_client_gets_the_key(zk: ZkServer) -> None:
     chroot = f"t-{uuid.uuid4().hex[:8]}"
     with FaultProxy(zk.client_port) as proxy:
