@@ -135,6 +135,10 @@ class Run:
         self.pausing: list[dict[str, Any]] = []  # self-frozen writers, in order
 
     def fault(self, kind: str, **fields: Any) -> None:
+        # Recorded before the harness acts, never after: a resumed process can report what
+        # the resume caused before this process is scheduled again, and the checker measures
+        # each loss from a cause at or before it (a CI run saw a loss 4.4 s "after its cause":
+        # the resume that caused it was recorded a few ms after the loss).
         history.record(self.directory, "fault", kind=kind, **fields)
 
     # -- processes ----------------------------------------------------------------------------
@@ -196,9 +200,9 @@ class Run:
             for node in nodes:
                 node.pause()
             time.sleep(length)  # the fault's own length; jobs go on in the workers meanwhile
+            self.fault(f"{kind}-resumed", nodes=[n.port for n in nodes])
             for node in nodes:
                 node.resume()
-            self.fault(f"{kind}-resumed", nodes=[n.port for n in nodes])
         elif kind.startswith("restart-redis"):
             # Delayed restart, the documented condition: the nodes stay down longer than any
             # lease before they come back empty (tests/faults/test_fault_harness.py shows what an
@@ -208,16 +212,16 @@ class Run:
             for node in nodes:
                 node.stop()
             time.sleep(p.ttl + 0.5)
+            self.fault(f"{kind}-back", nodes=[n.port for n in nodes])
             for node in nodes:
                 node.restart(wipe=True)
-            self.fault(f"{kind}-back", nodes=[n.port for n in nodes])
         elif kind == "outage-redis":
             (node,) = self.servers
             self.fault(kind, nodes=[node.port])
             node.stop()
             time.sleep(p.ttl + 0.5)  # a delayed restart: longer than any lease
-            node.restart(wipe=True)
             self.fault("outage-redis-back", nodes=[node.port])
+            node.restart(wipe=True)
         else:
             raise ValueError(f"unknown fault {kind!r}")
         return True
@@ -227,9 +231,9 @@ class Run:
         now = time.monotonic()
         for pid, until in list(self.paused.items()):
             if now >= until:
+                self.fault("resume-worker", target=pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-                self.fault("resume-worker", target=pid)
                 del self.paused[pid]
         # Self-frozen writers: resume once a newer token was applied to their key, so their
         # late write meets the fence (or after 3 ttl, whatever happened).
@@ -242,10 +246,10 @@ class Run:
                 w["outcome"] == "applied" for w in writes
             )  # fmt: skip
             if newer or now - e["t"] > 3 * self.profile.ttl:
+                self.fault("resume-paused", target=e["pid"], newer=newer)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(e["pid"], signal.SIGCONT)
                 self.resumed_writers.add((e["pid"], e["t"]))
-                self.fault("resume-paused", target=e["pid"], newer=newer)
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -308,9 +312,9 @@ class Run:
 
     def resume_everything(self) -> None:
         for pid in [*self.paused, *self.pauses_pending()]:
+            self.fault("resume-at-end", target=pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-                self.fault("resume-at-end", target=pid)
 
     def pauses_pending(self) -> list[int]:
         """Pool processes that froze themselves before a write and are not resumed yet."""
