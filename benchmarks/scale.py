@@ -11,12 +11,15 @@ counts do not move at all.
 Sections (``--sections``, all by default):
 
 * ``cycle``: one Redis, an uncontended acquire + release per cycle on a fresh key each time,
-  and, on one hot key held by someone else, a refused attempt (``wait=0``), at 1 / 4 / 16 / 64
+  then on the same keys again (their fence counters now exist), and, on one hot key held by
+  someone else, a refused attempt (``wait=0``), at 1 / 4 / 16 / 64
   client threads: ``raw`` (``SET NX PX`` + compare-and-delete, the floor), ``fenced`` (the
   same plus a fence ``INCR`` in one pipeline: the least a fenced lock sends), ``ours``
   (``LockManager.acquire`` + ``release``), redis-py ``Lock``, python-redis-lock, pottery
   ``Redlock`` on one master;
-* ``redlock``: the same cycle over 3 and 5 masters, ours against pottery;
+* ``redlock``: the same cycle over 3 and 5 masters, ours against pottery
+  (``--redlock-rounds R``: R interleaved rounds, the order turned each round, and the median
+  of the per-round CPU ratios);
 * ``renew``: one process holding 10 / 100 / 1,000 / 10,000 leases renews them once: server
   commands, bytes and CPU per lease, and the longest single server call (``SLOWLOG``, with a
   threshold of 100 µs: a call shown as 0 took less); beside it the peers' per-lock extend
@@ -41,6 +44,7 @@ import argparse
 import json
 import logging
 import secrets
+import statistics
 import sys
 import threading
 import time
@@ -313,6 +317,9 @@ def section_cycle(
                     lib.refuse(hot)
 
             cell = {"fresh": probe.measure(threaded(clients, fresh), per * clients)}
+            # The same keys again: each has its fence counter now (kept a day), as a key a
+            # deployment locks over and over (a task name, a resource) has.
+            cell["reused"] = probe.measure(threaded(clients, fresh), per * clients)
             free = lib.hold(hot)
             try:
                 cell["refused"] = probe.measure(threaded(clients, refused), per * clients)
@@ -526,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wait-ttl", type=float, default=3.0, help="the holder's ttl (s)")
     parser.add_argument("--wait-libs", nargs="+", default=list(WAIT_LIBS), choices=WAIT_LIBS)
     parser.add_argument("--left-keys", type=int, default=1000)
+    parser.add_argument(
+        "--redlock-rounds", type=int, default=1, help="interleaved rounds of the redlock section"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -542,11 +552,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["cycle"] = section_cycle([one], libs, args.clients, args.cycles)
         if "redlock" in args.sections:
             result["redlock"] = {}
-            for n in (3, 5):
-                urls = five[:n]
-                result["redlock"].update(
-                    section_cycle(urls, [Ours(urls), Pottery(urls)], [1, 16], args.cycles // 2)
-                )
+            rounds: list[dict[str, Any]] = []
+            for r in range(args.redlock_rounds):
+                cells: dict[str, Any] = {}
+                for n in (3, 5):
+                    urls = five[:n]
+                    libs: list[Lib] = [Ours(urls), Pottery(urls)]
+                    # Interleaved, the order turned every round: the host's drift falls on both.
+                    cells.update(section_cycle(urls, libs[:: 1 if r % 2 == 0 else -1], [1, 16],
+                                               args.cycles // 2))  # fmt: skip
+                rounds.append(cells)
+            result["redlock"] = rounds[0]
+            if len(rounds) > 1:
+                result["redlock_rounds"] = rounds
         if "renew" in args.sections:
             result["renew"] = section_renew(one, args.leases)
         if "wait" in args.sections:
@@ -570,14 +588,29 @@ def print_report(result: dict[str, Any]) -> None:
     for section in ("cycle", "redlock"):
         if section not in result:
             continue
-        print(f"\n[{section}] per cycle (fresh keys) / per refused attempt (one hot key)")
-        print(f"{'library@clients':24s} {'cmds':>6s} {'scrpt':>5s} {'bytes':>7s} {'CPU µs':>7s}"
-              f"   {'cmds':>6s} {'scrpt':>5s} {'bytes':>7s} {'CPU µs':>7s}")  # fmt: skip
+        print(f"\n[{section}] per cycle (fresh keys | the same keys again) / per refused "
+              "attempt (one hot key)")  # fmt: skip
+        print(f"{'library@clients':24s}" + f"   {'cmds':>6s} {'scrpt':>5s} {'bytes':>7s} "
+              f"{'CPU µs':>7s}" * 3)  # fmt: skip
         for name, cell in result[section].items():
-            f, r = cell["fresh"], cell["refused"]
-            print(f"{name:24s} {f['commands']:6.2f} {f['scripts']:5.2f} {f['bytes']:7.0f} "
-                  f"{f['cpu_us']:7.1f}   {r['commands']:6.2f} {r['scripts']:5.2f} "
-                  f"{r['bytes']:7.0f} {r['cpu_us']:7.1f}")  # fmt: skip
+            line = f"{name:24s}"
+            for kind in ("fresh", "reused", "refused"):
+                f = cell.get(kind)
+                line += "   " + ("(not run)".rjust(29) if f is None else
+                                 f"{f['commands']:6.2f} {f['scripts']:5.2f} {f['bytes']:7.0f} "
+                                 f"{f['cpu_us']:7.1f}")  # fmt: skip
+            print(line)
+    if "redlock_rounds" in result:
+        print("\n[redlock] server CPU per cycle, ours / pottery, per round (median)")
+        for cell in sorted(result["redlock_rounds"][0]):
+            if not cell.startswith("ours"):
+                continue
+            peer = cell.replace("ours", "pottery")
+            for kind in ("fresh", "reused", "refused"):
+                ratios = [r[cell][kind]["cpu_us"] / r[peer][kind]["cpu_us"]
+                          for r in result["redlock_rounds"]]  # fmt: skip
+                shown = " ".join(f"{x:.2f}" for x in ratios)
+                print(f"  {cell:10s} {kind:8s} {statistics.median(ratios):.3f}  ({shown})")
     if "renew" in result:
         print("\n[renew] one renewal of N leases held by one process, per lease; longest call")
         for name, f in result["renew"].items():

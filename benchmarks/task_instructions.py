@@ -2,13 +2,13 @@
 
 Noise on a shared host moves the CPU and wall figures of ``task_path.py`` by more than the
 lock's own work; instruction counts do not move. For each row of ``task_path.py`` (``plain``,
-``floor``, ``floor_release``, ``dlock``) this runs, under ``valgrind --tool=callgrind``, a
-process that warms the row up with 200 tasks (connections open, scripts loaded) and then runs
-N tasks through Celery's tracer as a prefork child does, for N = 100 and N = 400; instructions
-per task = (total at 400 - total at 100) / 300, so start-up and warm-up cancel out.
-``PYTHONHASHSEED=0``. ``--gc-off`` collects and then disables the cyclic GC after the warm-up:
-a full collection falling inside one window and not the other moves a row by up to 50k.
-What remains is a few thousand instructions from the lock's background threads (watchdog,
+``floor``, ``floor_release``, ``floor_fenced``, ``dlock``) this runs, under ``valgrind
+--tool=callgrind``, a process that warms the row up with 200 tasks (connections open, scripts
+loaded) and then runs N tasks through Celery's tracer as a prefork child does, for N = 100 and
+N = 400; instructions per task = (total at 400 - total at 100) / 300, so start-up and warm-up
+cancel out. ``PYTHONHASHSEED=0``. ``--gc-off`` collects and then disables the cyclic GC after
+the warm-up: a full collection falling inside one window and not the other moves a row by up to
+50k. What remains is a few thousand instructions from the lock's background threads (watchdog,
 janitor), which wake on the clock, not per task.
 
 Opcodes per task and file of ``celery_dlock`` (``--opcodes``, ``sys.settrace``, no valgrind)
@@ -101,7 +101,9 @@ def collected(row: str, count: int, urls: list[str], gc_off: bool, out: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", nargs="+", default=["plain", "floor", "floor_release", "dlock"])
+    parser.add_argument(
+        "--rows", nargs="+", default=["plain", "floor", "floor_release", "floor_fenced", "dlock"]
+    )
     parser.add_argument("--gc-off", action="store_true", help="no cyclic GC after warm-up")
     parser.add_argument("--opcodes", action="store_true", help="opcodes per file, no valgrind")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)

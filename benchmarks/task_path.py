@@ -11,6 +11,9 @@ without a worker: Celery's tracer, as a prefork child calls it (``fast_trace_tas
 * ``floor_release``  ``floor`` plus a ``DEL`` of the key after the body, its reply read before
   the next command (as ``SingletonTask`` sends its release): the two commands an
   execution-time lock that frees its key cannot do without
+* ``floor_fenced``  ``SET NX PX`` and a fence ``INCR`` in one round trip, and a
+  compare-and-delete sent after the body (``_common.FencedFloor``, as in
+  ``celery_throughput.py``): the least a lock with our guarantees must do in the worker
 * ``dlock``  ``SingletonTask`` (execution-time lock, single Redis, distinct keys)
 
 Per task: user and system CPU of this process (``os.times``) and wall time. Rows are
@@ -37,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from _common import ReleasingFloor, machine, pin
+from _common import FencedFloor, ReleasingFloor, machine, pin
 from celery import Celery
 from celery.app.trace import build_tracer, fast_trace_task, setup_worker_optimizations
 
@@ -72,11 +75,23 @@ def make_app(lock_url: str, backend_url: str) -> tuple[Celery, dict[str, Any]]:
         finally:
             releasing.give_back(key)
 
+    fenced = FencedFloor(lock_url)
+
+    @app.task(name="path.floor_fenced")
+    def floor_fenced(n: int) -> int:
+        key = f"path:floor-fenced:{n}"
+        fenced.take(key)
+        try:
+            return n
+        finally:
+            fenced.give_back(key)
+
     @app.task(name="path.dlock", base=SingletonTask)
     def dlock(n: int) -> int:
         return n
 
-    return app, {"plain": plain, "floor": floor, "floor_release": floor_release, "dlock": dlock}
+    rows = {"plain": plain, "floor": floor, "floor_release": floor_release, "dlock": dlock}
+    return app, {**rows, "floor_fenced": floor_fenced}
 
 
 def runner(app: Celery, task: Any) -> Callable[[int, int], None]:
