@@ -19,8 +19,10 @@ import pytest
 import redis
 
 from celery_dlock.backends.redis.redlock import LockManager
+from celery_dlock.backends.redis.scripts import MARKER_BLOCKS
 from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import LockContended
+from celery_dlock.core.lease import Lease
 from tests.support.clients import client
 
 DAY_MS = 86_400_000
@@ -344,7 +346,10 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "blocking"
         plains = [client(u) for u in urls]
-        deadline = time.monotonic() + 15  # the marker lasts the 3 s ttl plus 1 s
+        # The marker lasts the 3 s ttl plus 1 s on Redlock; on one node, whose waiter looks
+        # again with a bare PTTL between blocks, MARKER_BLOCKS such blocks plus 1 s.
+        lasts = 3 * (MARKER_BLOCKS if nodes == 1 else 1) + 1
+        deadline = time.monotonic() + lasts + 10
         while any(p.exists("dlock:{paused}:waiting") for p in plains):
             assert time.monotonic() < deadline, "the waiter marker never expired"
             time.sleep(0.05)
@@ -363,3 +368,172 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
         if child.stdout is not None:
             child.stdout.close()
         made.close()
+
+
+def test_a_waiter_looks_again_with_one_command_while_the_holder_renews(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # A waiter blocks until the expiry the holder's key showed it, then looks again. While
+    # the holder lives, that look is one PTTL (the BLPOP aside), not a full acquire script
+    # (EVALSHA STRLEN GET PTTL PTTL SET): the waiter marker lasts many blocks, and is set
+    # again only near its end. The holder here is renewed by a plain PEXPIRE from the test,
+    # so every other command the server counts is the waiter's.
+    plain = client(single_urls[0])
+    ttl_ms = 1500
+    manager.acquire("looked", ttl=ttl_ms / 1000, renew=False)
+    stop = threading.Event()
+    done: list[bool] = []
+
+    def renew() -> None:
+        while not stop.wait(ttl_ms / 3000):
+            plain.pexpire("dlock:{looked}", ttl_ms)
+
+    def waiter() -> None:
+        manager.acquire("looked", ttl=5, wait=None, renew=False).release()
+        done.append(True)
+
+    renewer = threading.Thread(target=renew)
+    thread = threading.Thread(target=waiter)
+    renewer.start()
+    thread.start()
+    looks = 6
+    try:
+        deadline = time.monotonic() + 10
+        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
+            assert time.monotonic() < deadline, "the waiter never blocked"
+        before = _commands(plain)
+        # Each look comes at the latest 1.5 s (the ttl) after the one before.
+        deadline = time.monotonic() + looks * ttl_ms / 1000 + 10
+        while _delta(plain, before).get("blpop", 0) < looks:
+            assert time.monotonic() < deadline, "the waiter stopped looking"
+            time.sleep(0.05)
+        seen = _delta(plain, before)
+    finally:
+        stop.set()
+        renewer.join(10)
+        plain.delete("dlock:{looked}")  # the holder is gone; the waiter gets in at its look
+        thread.join(10)
+    assert done == [True]
+    blocks = seen.pop("blpop")
+    # The test's own: INFO (these counts), PEXPIRE (the renewals), HELLO (its client's
+    # second connection, the renewing thread's).
+    waiter_sent = {k: v for k, v in seen.items() if k not in ("info", "pexpire", "hello")}
+    # One look between two blocks, and at most one full attempt (6 commands) in the window,
+    # where the marker is set again.
+    assert sum(waiter_sent.values()) <= blocks + 6, (blocks, waiter_sent)
+    assert waiter_sent.get("evalsha", 0) <= 1, (blocks, waiter_sent)
+
+
+def _renewed_by_hand(
+    plain: redis.Redis, key: str, ttl_ms: int, stop: threading.Event
+) -> threading.Thread:
+    """A thread that renews ``key`` (a plain PEXPIRE, every third of its ttl) until ``stop``."""
+
+    def renew() -> None:
+        while not stop.wait(ttl_ms / 3000):
+            plain.pexpire(key, ttl_ms)
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    return thread
+
+
+def _looks(plain: redis.Redis, before: dict[str, int], looks: int, ttl_ms: int) -> None:
+    """Return once the waiter blocked ``looks`` times more (each block ends at the latest one
+    ttl after the one before it)."""
+    deadline = time.monotonic() + looks * ttl_ms / 1000 + 10
+    while _delta(plain, before).get("blpop", 0) < looks:
+        assert time.monotonic() < deadline, "the waiter stopped looking"
+        time.sleep(0.05)
+
+
+def test_a_release_wakes_a_waiter_that_looked_with_pttl_for_longer_than_one_block(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # The waiter marker must outlast every block the waiter made after a bare PTTL look: a
+    # release after several of them still writes the wake-up, and the waiter takes it.
+    plain = client(single_urls[0])
+    ttl_ms = 1500
+    holder = manager.acquire("woken", ttl=ttl_ms / 1000, renew=False)
+    stop = threading.Event()
+    renewer = _renewed_by_hand(plain, "dlock:{woken}", ttl_ms, stop)
+    got: list[Lease] = []
+    thread = threading.Thread(target=lambda: got.append(manager.acquire("woken", ttl=1, wait=None)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
+            assert time.monotonic() < deadline, "the waiter never blocked"
+        before = _commands(plain)
+        # Four blocks, about 6 s: a marker of one block (the holder's 1.5 s) plus 1 s, as
+        # every refusal set it before the waiter looked with PTTL, would be gone.
+        _looks(plain, before, 4, ttl_ms)
+        looked = _delta(plain, before)
+        before = _commands(plain)
+        holder.release()
+        pushed = _delta(plain, before).get("rpush", 0)
+        thread.join(10)
+        unclaimed = plain.llen("dlock:{woken}:signal")
+    finally:
+        stop.set()
+        renewer.join(10)
+        thread.join(10)
+        for lease in got:
+            lease.release()
+    assert looked.get("evalsha", 0) == 0, f"the waiter looked by full attempts: {looked}"
+    assert pushed == 1, "the release wrote no wake-up: the waiter marker was gone"
+    assert got, "the waiter never got the key"
+    assert unclaimed == 0, "the waiter did not take the wake-up"
+
+
+def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # The holder stops renewing (it died): the waiter's block ends at the expiry its last
+    # look saw, and it takes the key then, not a block or a marker's life later.
+    plain = client(single_urls[0])
+    ttl_ms = 1500
+    manager.acquire("dies", ttl=ttl_ms / 1000, renew=False)
+    stop = threading.Event()
+    renewer = _renewed_by_hand(plain, "dlock:{dies}", ttl_ms, stop)
+    got: list[float] = []
+
+    def waiter() -> None:
+        lease = manager.acquire("dies", ttl=5, wait=None, renew=False)
+        got.append(time.monotonic())
+        lease.release()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
+            assert time.monotonic() < deadline, "the waiter never blocked"
+        _looks(plain, _commands(plain), 3, ttl_ms)
+    finally:
+        stop.set()
+        renewer.join(10)
+    died = time.monotonic()  # the last renewal was before this; the key expires 1.5 s after it
+    thread.join(20)
+    assert got, "the waiter never got the dead holder's key"
+    # At the expiry, at most 1.5 s after the last renewal (plus the look's round trips), not
+    # a block later.
+    assert got[0] - died < 2 * ttl_ms / 1000, got[0] - died
+
+
+def test_a_waiter_marker_lasts_no_longer_than_the_wait_beyond_one_block(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # docs/guarantees.md: on one Redis a refusal's marker covers up to ten blocks, but not
+    # more than the caller's wait: a caller that waits half a second leaves no 5 s marker.
+    plain = client(single_urls[0])
+    holder = manager.acquire("brief", ttl=0.5, renew=False)  # gone before the wait ends
+    plain.pexpire("dlock:{brief}", 60_000)  # a holder with a minute left
+    try:
+        with pytest.raises(LockContended):
+            manager.acquire("brief", ttl=5, wait=0.5, renew=False)
+        left = plain.pttl("dlock:{brief}:waiting")
+    finally:
+        holder.release()
+    # One block (the holder's minute) + the wait (0.5 s) + 1 s, from the last refusal.
+    assert 0 < left <= 60_000 + 500 + 1000, left
