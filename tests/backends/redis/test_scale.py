@@ -19,7 +19,6 @@ import pytest
 import redis
 
 from celery_dlock.backends.redis.redlock import LockManager
-from celery_dlock.backends.redis.scripts import MARKER_BLOCKS
 from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import LockContended
 from celery_dlock.core.lease import Lease
@@ -346,10 +345,12 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "blocking"
         plains = [client(u) for u in urls]
-        # The marker lasts the 3 s ttl plus 1 s on Redlock; on one node, whose waiter looks
-        # again with a bare PTTL between blocks, MARKER_BLOCKS such blocks plus 1 s.
-        lasts = 3 * (MARKER_BLOCKS if nodes == 1 else 1) + 1
-        deadline = time.monotonic() + lasts + 10
+        if nodes == 1:
+            # On one node, whose waiter looks again with a bare PTTL between blocks, the
+            # marker lasts MARKER_BLOCKS blocks of 3 s plus 1 s: its expiry is done by hand.
+            assert plains[0].delete("dlock:{paused}:waiting") == 1
+        # On Redlock the marker lasts the 3 s ttl plus 1 s.
+        deadline = time.monotonic() + 3 + 1 + 10
         while any(p.exists("dlock:{paused}:waiting") for p in plains):
             assert time.monotonic() < deadline, "the waiter marker never expired"
             time.sleep(0.05)
@@ -370,81 +371,101 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
         made.close()
 
 
+#: The holder's ttl in the look tests: each look comes at the latest this long after the one
+#: before. The test renews the key every RENEW_EVERY s, so only a stall of the test process
+#: longer than the difference (2.3 s) lets the holder expire under the waiter.
+LOOK_TTL_MS = 2400
+RENEW_EVERY = 0.1
+
+
+class _Renewer:
+    """A thread that keeps ``key`` alive with a plain ``PEXPIRE`` (so every other command the
+    server counts is the waiter's) until stopped; it records whether the key ever went
+    missing (the test process stalled past the ttl, so the holder "died") and when its last
+    renewal returned."""
+
+    def __init__(self, plain: redis.Redis, key: str) -> None:
+        self.plain = plain
+        self.key = key
+        self.stop = threading.Event()
+        self.missed = 0
+        self.last = time.monotonic()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(RENEW_EVERY):
+            if self.plain.pexpire(self.key, LOOK_TTL_MS):
+                self.last = time.monotonic()
+            else:
+                self.missed += 1
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def alive(self) -> str:
+        """The premise of a look test, as the failure message it needs."""
+        return (
+            "" if not self.missed
+            else f" (the holder's key expired: this test process stalled for over "
+            f"{(LOOK_TTL_MS / 1000 - RENEW_EVERY):.1f} s between two renewals)"
+        )  # fmt: skip
+
+
+def _blocked_once(plain: redis.Redis, before: dict[str, int]) -> None:
+    deadline = time.monotonic() + 10
+    while not _delta(plain, before).get("blpop", 0):
+        assert time.monotonic() < deadline, "the waiter never blocked"
+        time.sleep(0.02)
+
+
+def _looks(plain: redis.Redis, before: dict[str, int], looks: int, renewer: _Renewer) -> None:
+    """Return once the waiter blocked ``looks`` times more (each block ends at the latest one
+    ttl after the one before it)."""
+    deadline = time.monotonic() + looks * LOOK_TTL_MS / 1000 + 10
+    while _delta(plain, before).get("blpop", 0) < looks:
+        assert time.monotonic() < deadline, "the waiter stopped looking" + renewer.alive()
+        time.sleep(0.05)
+
+
 def test_a_waiter_looks_again_with_one_command_while_the_holder_renews(
     single_urls: list[str], manager: LockManager
 ) -> None:
     # A waiter blocks until the expiry the holder's key showed it, then looks again. While
     # the holder lives, that look is one PTTL (the BLPOP aside), not a full acquire script
     # (EVALSHA STRLEN GET PTTL PTTL SET): the waiter marker lasts many blocks, and is set
-    # again only near its end. The holder here is renewed by a plain PEXPIRE from the test,
-    # so every other command the server counts is the waiter's.
+    # again only near its end.
     plain = client(single_urls[0])
-    ttl_ms = 1500
-    manager.acquire("looked", ttl=ttl_ms / 1000, renew=False)
-    stop = threading.Event()
+    manager.acquire("looked", ttl=LOOK_TTL_MS / 1000, renew=False)
+    renewer = _Renewer(plain, "dlock:{looked}")
     done: list[bool] = []
-
-    def renew() -> None:
-        while not stop.wait(ttl_ms / 3000):
-            plain.pexpire("dlock:{looked}", ttl_ms)
 
     def waiter() -> None:
         manager.acquire("looked", ttl=5, wait=None, renew=False).release()
         done.append(True)
 
-    renewer = threading.Thread(target=renew)
     thread = threading.Thread(target=waiter)
-    renewer.start()
+    start = _commands(plain)
     thread.start()
-    looks = 6
     try:
-        deadline = time.monotonic() + 10
-        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
-            assert time.monotonic() < deadline, "the waiter never blocked"
+        _blocked_once(plain, start)
         before = _commands(plain)
-        # Each look comes at the latest 1.5 s (the ttl) after the one before.
-        deadline = time.monotonic() + looks * ttl_ms / 1000 + 10
-        while _delta(plain, before).get("blpop", 0) < looks:
-            assert time.monotonic() < deadline, "the waiter stopped looking"
-            time.sleep(0.05)
+        _looks(plain, before, 4, renewer)
         seen = _delta(plain, before)
     finally:
-        stop.set()
-        renewer.join(10)
+        renewer.end()
         plain.delete("dlock:{looked}")  # the holder is gone; the waiter gets in at its look
         thread.join(10)
     assert done == [True]
+    assert not renewer.missed, renewer.alive()
     blocks = seen.pop("blpop")
-    # The test's own: INFO (these counts), PEXPIRE (the renewals), HELLO (its client's
-    # second connection, the renewing thread's).
+    # The test's own: INFO (these counts), PEXPIRE (the renewals), HELLO (a new connection).
     waiter_sent = {k: v for k, v in seen.items() if k not in ("info", "pexpire", "hello")}
     # One look between two blocks, and at most one full attempt (6 commands) in the window,
     # where the marker is set again.
     assert sum(waiter_sent.values()) <= blocks + 6, (blocks, waiter_sent)
     assert waiter_sent.get("evalsha", 0) <= 1, (blocks, waiter_sent)
-
-
-def _renewed_by_hand(
-    plain: redis.Redis, key: str, ttl_ms: int, stop: threading.Event
-) -> threading.Thread:
-    """A thread that renews ``key`` (a plain PEXPIRE, every third of its ttl) until ``stop``."""
-
-    def renew() -> None:
-        while not stop.wait(ttl_ms / 3000):
-            plain.pexpire(key, ttl_ms)
-
-    thread = threading.Thread(target=renew)
-    thread.start()
-    return thread
-
-
-def _looks(plain: redis.Redis, before: dict[str, int], looks: int, ttl_ms: int) -> None:
-    """Return once the waiter blocked ``looks`` times more (each block ends at the latest one
-    ttl after the one before it)."""
-    deadline = time.monotonic() + looks * ttl_ms / 1000 + 10
-    while _delta(plain, before).get("blpop", 0) < looks:
-        assert time.monotonic() < deadline, "the waiter stopped looking"
-        time.sleep(0.05)
 
 
 def test_a_release_wakes_a_waiter_that_looked_with_pttl_for_longer_than_one_block(
@@ -453,33 +474,31 @@ def test_a_release_wakes_a_waiter_that_looked_with_pttl_for_longer_than_one_bloc
     # The waiter marker must outlast every block the waiter made after a bare PTTL look: a
     # release after several of them still writes the wake-up, and the waiter takes it.
     plain = client(single_urls[0])
-    ttl_ms = 1500
-    holder = manager.acquire("woken", ttl=ttl_ms / 1000, renew=False)
-    stop = threading.Event()
-    renewer = _renewed_by_hand(plain, "dlock:{woken}", ttl_ms, stop)
+    holder = manager.acquire("woken", ttl=LOOK_TTL_MS / 1000, renew=False)
+    renewer = _Renewer(plain, "dlock:{woken}")
     got: list[Lease] = []
     thread = threading.Thread(target=lambda: got.append(manager.acquire("woken", ttl=1, wait=None)))
+    start = _commands(plain)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
-            assert time.monotonic() < deadline, "the waiter never blocked"
+        _blocked_once(plain, start)
         before = _commands(plain)
-        # Four blocks, about 6 s: a marker of one block (the holder's 1.5 s) plus 1 s, as
+        # Three blocks, about 7 s: a marker of one block (the holder's 2.4 s) plus 1 s, as
         # every refusal set it before the waiter looked with PTTL, would be gone.
-        _looks(plain, before, 4, ttl_ms)
+        _looks(plain, before, 3, renewer)
         looked = _delta(plain, before)
+        renewer.end()
         before = _commands(plain)
         holder.release()
         pushed = _delta(plain, before).get("rpush", 0)
         thread.join(10)
         unclaimed = plain.llen("dlock:{woken}:signal")
     finally:
-        stop.set()
-        renewer.join(10)
+        renewer.end()
         thread.join(10)
         for lease in got:
             lease.release()
+    assert not renewer.missed, renewer.alive()
     assert looked.get("evalsha", 0) == 0, f"the waiter looked by full attempts: {looked}"
     assert pushed == 1, "the release wrote no wake-up: the waiter marker was gone"
     assert got, "the waiter never got the key"
@@ -490,35 +509,32 @@ def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
     single_urls: list[str], manager: LockManager
 ) -> None:
     # The holder stops renewing (it died): the waiter's block ends at the expiry its last
-    # look saw, and it takes the key then, not a block or a marker's life later.
+    # look saw, and it takes the key then, not a block of its own ttl (8 s) or a marker's
+    # life later.
     plain = client(single_urls[0])
-    ttl_ms = 1500
-    manager.acquire("dies", ttl=ttl_ms / 1000, renew=False)
-    stop = threading.Event()
-    renewer = _renewed_by_hand(plain, "dlock:{dies}", ttl_ms, stop)
+    manager.acquire("dies", ttl=LOOK_TTL_MS / 1000, renew=False)
+    renewer = _Renewer(plain, "dlock:{dies}")
     got: list[float] = []
 
     def waiter() -> None:
-        lease = manager.acquire("dies", ttl=5, wait=None, renew=False)
+        lease = manager.acquire("dies", ttl=8, wait=None, renew=False)
         got.append(time.monotonic())
         lease.release()
 
     thread = threading.Thread(target=waiter)
+    start = _commands(plain)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not any(c["cmd"] == "blpop" for c in plain.client_list()):
-            assert time.monotonic() < deadline, "the waiter never blocked"
-        _looks(plain, _commands(plain), 3, ttl_ms)
+        _blocked_once(plain, start)
+        _looks(plain, _commands(plain), 2, renewer)
     finally:
-        stop.set()
-        renewer.join(10)
-    died = time.monotonic()  # the last renewal was before this; the key expires 1.5 s after it
-    thread.join(20)
+        renewer.end()
+    expiry = renewer.last + LOOK_TTL_MS / 1000  # the key expires by then at the latest
+    thread.join(30)
+    assert not renewer.missed, renewer.alive()
     assert got, "the waiter never got the dead holder's key"
-    # At the expiry, at most 1.5 s after the last renewal (plus the look's round trips), not
-    # a block later.
-    assert got[0] - died < 2 * ttl_ms / 1000, got[0] - died
+    # At the expiry plus the look's round trips; a block of the waiter's own ttl would be 8 s.
+    assert got[0] - expiry < 4, got[0] - expiry
 
 
 def test_a_waiter_marker_lasts_no_longer_than_the_wait_beyond_one_block(
@@ -527,8 +543,7 @@ def test_a_waiter_marker_lasts_no_longer_than_the_wait_beyond_one_block(
     # docs/guarantees.md: on one Redis a refusal's marker covers up to ten blocks, but not
     # more than the caller's wait: a caller that waits half a second leaves no 5 s marker.
     plain = client(single_urls[0])
-    holder = manager.acquire("brief", ttl=0.5, renew=False)  # gone before the wait ends
-    plain.pexpire("dlock:{brief}", 60_000)  # a holder with a minute left
+    holder = manager.acquire("brief", ttl=60, renew=False)  # a holder with a minute left
     try:
         with pytest.raises(LockContended):
             manager.acquire("brief", ttl=5, wait=0.5, renew=False)
