@@ -376,6 +376,12 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
 #: longer than the difference (2.3 s) lets the holder expire under the waiter.
 LOOK_TTL_MS = 2400
 RENEW_EVERY = 0.1
+#: The holder's lease is taken for this long, and its key then kept at LOOK_TTL_MS by hand.
+#: A lease taken for LOOK_TTL_MS would run out of validity in this process while the test
+#: keeps its key: once a lease's validity has run out, this process deletes the key if it still
+#: holds the lease's nonce (the lease is lost, its key freed), and the waiter then got in. That
+#: happened only where an earlier test in the same process had started the thread that does it.
+HOLDER_TTL = 60
 
 
 class _Renewer:
@@ -395,6 +401,7 @@ class _Renewer:
         self.evidence = ""
         self.start = _commands(plain)
         self.expired = int(plain.info("stats")["expired_keys"])
+        assert plain.pexpire(key, LOOK_TTL_MS), f"{key} is not held"
         self.thread = threading.Thread(target=self._run)
         self.thread.start()
 
@@ -450,7 +457,7 @@ def test_a_waiter_looks_again_with_one_command_while_the_holder_renews(
     # (EVALSHA STRLEN GET PTTL PTTL SET): the waiter marker lasts many blocks, and is set
     # again only near its end.
     plain = client(single_urls[0])
-    manager.acquire("looked", ttl=LOOK_TTL_MS / 1000, renew=False)
+    holder = manager.acquire("looked", ttl=HOLDER_TTL, renew=False)
     renewer = _Renewer(plain, "dlock:{looked}")
     done: list[bool] = []
 
@@ -470,6 +477,7 @@ def test_a_waiter_looks_again_with_one_command_while_the_holder_renews(
         renewer.end()
         plain.delete("dlock:{looked}")  # the holder is gone; the waiter gets in at its look
         thread.join(10)
+        holder.release()
     assert done == [True]
     assert not renewer.missed, renewer.alive()
     blocks = seen.pop("blpop")
@@ -487,7 +495,7 @@ def test_a_release_wakes_a_waiter_that_looked_with_pttl_for_longer_than_one_bloc
     # The waiter marker must outlast every block the waiter made after a bare PTTL look: a
     # release after several of them still writes the wake-up, and the waiter takes it.
     plain = client(single_urls[0])
-    holder = manager.acquire("woken", ttl=LOOK_TTL_MS / 1000, renew=False)
+    holder = manager.acquire("woken", ttl=HOLDER_TTL, renew=False)
     renewer = _Renewer(plain, "dlock:{woken}")
     got: list[Lease] = []
     thread = threading.Thread(target=lambda: got.append(manager.acquire("woken", ttl=1, wait=None)))
@@ -525,7 +533,7 @@ def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
     # look saw, and it takes the key then, not a block of its own ttl (8 s) or a marker's
     # life later.
     plain = client(single_urls[0])
-    manager.acquire("dies", ttl=LOOK_TTL_MS / 1000, renew=False)
+    holder = manager.acquire("dies", ttl=HOLDER_TTL, renew=False)
     renewer = _Renewer(plain, "dlock:{dies}")
     got: list[float] = []
 
@@ -544,6 +552,7 @@ def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
         renewer.end()
     expiry = renewer.last + LOOK_TTL_MS / 1000  # the key expires by then at the latest
     thread.join(30)
+    holder.release()  # the key is the waiter's now, or gone: this deletes nothing
     assert not renewer.missed, renewer.alive()
     assert got, "the waiter never got the dead holder's key"
     # At the expiry plus the look's round trips; a block of the waiter's own ttl would be 8 s.
