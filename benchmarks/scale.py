@@ -449,12 +449,18 @@ WAIT_LIBS = ("ours", "python-redis-lock", "redis-py")
 
 
 def section_wait(
-    url: str, waiters_list: Sequence[int], ttl: float, libs: Sequence[str] = WAIT_LIBS
+    url: str,
+    waiters_list: Sequence[int],
+    ttl: float,
+    libs: Sequence[str] = WAIT_LIBS,
+    window: float | None = None,
 ) -> dict[str, Any]:
-    """N threads wait on a key whose holder renews it; connections and traffic per waiter."""
+    """N threads wait on a key whose holder renews it; connections and traffic per waiter,
+    over ``window`` seconds (two ttls by default; ours sets its waiter marker again about
+    every tenth look, so a window of ten ttls or more counts that too)."""
     client = redis.Redis.from_url(url)
     out: dict[str, Any] = {}
-    window = 2 * ttl
+    window = window or 2 * ttl
 
     def connected() -> int:
         return int(client.info("clients")["connected_clients"])
@@ -477,6 +483,7 @@ def section_wait(
             for th in threads:
                 th.join(ttl * 3)
             out[f"{lib}@{n}"] = {
+                "window_s": window,
                 "connections_per_waiter": round(conns / n, 2),
                 "commands_per_s_per_waiter": fig["commands"],
                 "scripts_per_s_per_waiter": fig["scripts"],
@@ -532,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--waiters", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--wait-ttl", type=float, default=3.0, help="the holder's ttl (s)")
     parser.add_argument("--wait-libs", nargs="+", default=list(WAIT_LIBS), choices=WAIT_LIBS)
+    parser.add_argument(
+        "--wait-window", type=float, default=None, help="seconds measured (default 2 ttls)"
+    )
     parser.add_argument("--left-keys", type=int, default=1000)
     parser.add_argument(
         "--redlock-rounds", type=int, default=1, help="interleaved rounds of the redlock section"
@@ -568,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "renew" in args.sections:
             result["renew"] = section_renew(one, args.leases)
         if "wait" in args.sections:
-            result["wait"] = section_wait(one, args.waiters, args.wait_ttl, args.wait_libs)
+            result["wait"] = section_wait(
+                one, args.waiters, args.wait_ttl, args.wait_libs, args.wait_window
+            )
         if "left" in args.sections:
             result["left"] = section_left(one, args.left_keys)
     result["elapsed_s"] = round(time.monotonic() - started, 1)

@@ -41,9 +41,9 @@ from celery_dlock.backends.redis.ending import void_key, waiting_key
 from celery_dlock.backends.redis.janitor import LATE_LIMIT, janitor
 from celery_dlock.backends.redis.nodes import Identities, Node, Reply
 from celery_dlock.backends.redis.owed import Deferred
-from celery_dlock.backends.redis.scripts import MAX_TOKEN
+from celery_dlock.backends.redis.scripts import MARKER_BLOCKS, MAX_TOKEN
 from celery_dlock.backends.redis.sending import send_deferred
-from celery_dlock.backends.redis.transport import blocking_pop, run_script
+from celery_dlock.backends.redis.transport import blocking_pop, run_script, time_left
 from celery_dlock.core.backend import LOOK_AGAIN, Again, BaseBackend, TaskResults, look_again
 from celery_dlock.core.clock import jitter, real_clock
 from celery_dlock.core.config import (
@@ -67,6 +67,10 @@ SPLIT_RETRIES = 5
 BATON_RETRIES = 8
 #: Most attempts this process undid that it remembers (:meth:`LockManager._own_leftover`).
 UNDONE_KEPT = 1000
+#: A waiter blocks again after a bare look only if the waiter marker outlasts that block by
+#: this many seconds (a pause of the waiter's process between look and block is covered up
+#: to it); otherwise it looks with a full attempt, which sets the marker again.
+MARKER_SLACK = 1.0
 
 
 class _Request(NamedTuple):
@@ -82,6 +86,9 @@ class _Request(NamedTuple):
     sender: Any
     retention_ms: int | None = None  # how long the fence counter is kept; None = the setting
     waits: bool = False  # a refusal will be waited on (it leaves the waiter marker)
+    #: The most ms the waiter marker should last beyond one block (scripts.ACQUIRE's ARGV[6]):
+    #: the wait itself, bounded; 0 on Redlock, whose waiters look again by a full attempt.
+    marker_extra_ms: int = 0
 
 
 class LockManager(BaseBackend):
@@ -149,9 +156,13 @@ class LockManager(BaseBackend):
         """:meth:`acquire` for arguments already checked (a task checks its options once)."""
         retention = None if fence_retention is None else ms(fence_retention)
         waits = wait is None or wait > 0
+        # A single node's waiter looks again between blocks with a bare PTTL, so its marker
+        # should last several blocks, but not past the wait itself.
+        extra = 0 if self.redlock or not waits else MAX_TOKEN if wait is None else ms(wait)
         request = _Request(
-            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention, waits
-        )
+            key, ttl, holder, interval, max_hold, takeover or "", queued, sender, retention, waits,
+            extra,
+        )  # fmt: skip
         if self.cluster and key.startswith("}"):
             raise ConfigError(
                 f"lock key {key!r} starts with '}}': on Redis Cluster that empties the "
@@ -183,6 +194,14 @@ class LockManager(BaseBackend):
         woken_from: str | None = None  # nonce of the holder whose release woke us, if any
         baton = 0
         splits = 0
+        # When the refused attempt was sent, on the real clock (it bounds the marker's end).
+        sent = real_clock() - (time.monotonic() - begun)
+
+        def remaining() -> float | None:
+            if give_up is None or real_end is None:
+                return None
+            return min(give_up - time.monotonic(), real_end - real_clock())
+
         while True:
             if outcome.unavailable:
                 raise self._refused(key, outcome)
@@ -208,7 +227,11 @@ class LockManager(BaseBackend):
                 else:
                     baton = 0
                     until = None if left is None else time.monotonic() + left
-                    woken_from = self._wait_for_release(key, keys[2], outcome, until, ttl)
+                    marker = self._marker_until(request, outcome, sent)
+                    woken_from = self._wait_for_release(
+                        key, keys, outcome, until, ttl, marker, remaining
+                    )
+            sent = real_clock()
             attempt = self._attempt(request, keys)
             if isinstance(attempt, Lease):
                 return announce_won(attempt, begun, on_lost)
@@ -257,7 +280,7 @@ class LockManager(BaseBackend):
             self._floor,
         )
         if request.waits:  # only a caller that will wait leaves the waiter marker
-            return (*script_keys, waiting_key(keys[0])), (*args, "1")
+            return (*script_keys, waiting_key(keys[0])), (*args, request.marker_extra_ms)
         return script_keys, args
 
     def _attempt(self, request: _Request, keys: tuple[str, str, str]) -> Lease | Refusal:
@@ -472,13 +495,36 @@ class LockManager(BaseBackend):
         done = sum(1 for r in replies if not isinstance(r, BaseException))
         return len(fences) - len(nodes) + done >= self.quorum
 
+    @staticmethod
+    def _marker_until(request: _Request, refusal: Refusal, sent: float) -> float | None:
+        """When (real clock) the waiter marker ``refusal`` left ends at the earliest, for a
+        waiter that may look again with a bare PTTL; None when it must look by a full attempt
+        (Redlock, a holder without expiry). The same sum as scripts.ACQUIRE, counted from when
+        the attempt was sent: the server set it later."""
+        if not request.marker_extra_ms or refusal.retry_after is None:
+            return None
+        block = max(ms(refusal.retry_after), ms(request.ttl))
+        extra = min(block * (MARKER_BLOCKS - 1), request.marker_extra_ms)
+        return sent + (block + extra + 1000) / 1000
+
     def _wait_for_release(
-        self, key: str, signal_key: str, refusal: Refusal, give_up: float | None, ttl: float
+        self,
+        key: str,
+        keys: tuple[str, str, str],
+        refusal: Refusal,
+        give_up: float | None,
+        ttl: float,
+        marker_until: float | None = None,
+        remaining: Callable[[], float | None] = lambda: None,
     ) -> str | None:
         """Block until a release signal, the holder's expiry, or the end of our wait.
 
         Returns the nonce of the holder whose release woke us, or None (timeout, collision).
+        With ``marker_until`` (one node), a block that times out while the holder still has
+        time left is followed by another, after a bare ``PTTL`` (:meth:`_look_again`), as long
+        as the waiter marker lasts; then None, and the caller's full attempt sets it again.
         """
+        signal_key = keys[2]
         if refusal.split:
             # Contenders collided and each holds a minority: back off at random, as Redlock
             # does, so one of them wins the next round.
@@ -497,25 +543,66 @@ class LockManager(BaseBackend):
         ]
         refused: list[tuple[str, str]] = []
         for i in order:
-            block = until - time.monotonic()
-            if block <= 0.001:
-                return None
             node = self.nodes[i]
-            try:
-                popped = blocking_pop(node, signal_key, block)
-            except ResponseError as exc:
-                # The node answered but will not let us wait (an ACL user without BLPOP):
-                # trying again at once would only spin.
-                refused.append((node.shown, describe(exc, node)))
-                continue
-            except (RedisError, OSError) as exc:
-                log_acquire.debug("cannot wait on %s: %s", node.shown, exc)
-                continue
-            return None if popped is None else popped.decode(errors="replace")
+            while True:
+                block = until - time.monotonic()
+                if block <= 0.001:
+                    return None
+                try:
+                    popped = blocking_pop(node, signal_key, block)
+                except ResponseError as exc:
+                    # The node answered but will not let us wait (an ACL user without BLPOP):
+                    # trying again at once would only spin.
+                    refused.append((node.shown, describe(exc, node)))
+                    break
+                except (RedisError, OSError) as exc:
+                    log_acquire.debug("cannot wait on %s: %s", node.shown, exc)
+                    break
+                if popped is not None:
+                    return popped.decode(errors="replace")
+                later = self._look_again(node, keys[0], marker_until, remaining, block)
+                if later is None:
+                    return None
+                until = later
         if refused:
             first = "; ".join(f"{shown}: {err}" for shown, err in refused[:3])
             raise LockUnavailable(f"cannot wait for {key!r}: {first}", key=key, errors=refused)
         return None  # no node to wait on; the next attempt will report the outage
+
+    @staticmethod
+    def _look_again(
+        node: Node,
+        lock_key: str,
+        marker_until: float | None,
+        remaining: Callable[[], float | None],
+        last: float,
+    ) -> float | None:
+        """After a block (of ``last`` seconds) that timed out: when (monotonic) to block until
+        next, if the holder's key still has time left by a bare ``PTTL`` and the waiter marker
+        outlasts that block by MARKER_SLACK; else None, for a full attempt (the key is gone or
+        has no expiry, the marker must be set again, the node did not answer, the wait is
+        over)."""
+        if marker_until is None:
+            return None
+        left = remaining()
+        if left is not None and left <= 0.001:
+            return None
+        if real_clock() + min(last, left or last) + MARKER_SLACK > marker_until:
+            # A block like the last would outlast the marker: no PTTL that would only say so.
+            return None
+        try:
+            left_ms = time_left(node, lock_key)
+        except (RedisError, OSError) as exc:
+            log_acquire.debug("cannot look at %s on %s: %s", lock_key, node.shown, exc)
+            return None
+        if left_ms <= 0:
+            return None
+        block = left_ms / 1000 + 0.001
+        if left is not None:
+            block = min(block, left)
+        if real_clock() + block + MARKER_SLACK > marker_until:
+            return None
+        return time.monotonic() + block
 
     # -- release ---------------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ from __future__ import annotations
 #: can write the store exhaust the workers' memory (benchmarks/README.md, "Figures behind the
 #: code's constants"). Scripts send the first MAX_VALUE bytes and the value's length.
 MAX_VALUE = 4096
+#: How many blocks of a waiter (each up to the holder's time left, or the waiter's ttl if
+#: longer) one refusal's waiter marker covers: the waiter looks again between them with a bare
+#: ``PTTL`` and sets the marker again (a full attempt) only when it would end before the next
+#: block. More blocks, fewer full attempts; but a marker outlives the last waiter by that
+#: much, and a release meanwhile writes a wake-up for nobody.
+MARKER_BLOCKS = 10
 #: The highest fencing token issued, plus one: 2**53 - 1, the largest integer a Lua double
 #: (and a JSON number read by most languages) holds exactly. The server clock floor starts
 #: tokens near 1.8e15 (microseconds since 1970), so one acquisition per microsecond on average
@@ -50,11 +56,14 @@ end
 #: ARGV[5] "1" to floor every token at the server clock (single Redis), "0" to do so only
 #: when the counter is missing (Redlock, where nodes' clocks differ and would force a
 #: write-back round on every acquisition).
-#: ARGV[6] (optional) "1" when the caller waits if refused: the refusal then makes the marker
-#: last longer than the caller will block on the signal list (the holder's time left, or this
-#: attempt's ttl if longer, plus a second), never shorter than it was: an earlier waiter may
-#: still block longer (a caller with a shorter ttl, refused by a later holder, would otherwise
-#: cut its marker, and a release would then wake nobody while it blocks).
+#: ARGV[6] (optional, only when the caller waits if refused) the most ms the marker should
+#: last beyond one block: the refusal then makes the marker last longer than the caller will
+#: block on the signal list (the holder's time left, or this attempt's ttl if longer, plus a
+#: second), and up to MARKER_BLOCKS - 1 more such blocks but at most ARGV[6] ms more, so a
+#: waiter that looks again with a bare ``PTTL`` need not set it on every look. Never shorter
+#: than it was: an earlier waiter may still block longer (a caller with a shorter ttl, refused
+#: by a later holder, would otherwise cut its marker, and a release would then wake nobody
+#: while it blocks).
 #: The void marker is read only when the key is free: a refused attempt writes nothing anyway.
 #: Returns ``{1, fence}`` when acquired, ``{0, current_value, pttl_ms, length}`` when held by
 #: another (the value's first MAX_VALUE bytes, and its length), ``{2}`` when the attempt was
@@ -82,8 +91,9 @@ if cur then
   end
   if not mine then
     local left = redis.call('PTTL', KEYS[1])
-    if ARGV[6] == '1' then
-      local want = math.max(left, tonumber(ARGV[2])) + 1000
+    if ARGV[6] then
+      local block = math.max(left, tonumber(ARGV[2]))
+      local want = block + math.min(block * (MARKER_BLOCKS - 1), tonumber(ARGV[6])) + 1000
       if redis.call('PTTL', KEYS[4]) < want then
         redis.call('SET', KEYS[4], '1', 'PX', want)
       end
@@ -357,6 +367,7 @@ return {cur, redis.call('PTTL', KEYS[1]), fence, n}
 
 ACQUIRE = (BOUNDED + ACQUIRE).replace("MAX_VALUE", str(MAX_VALUE))
 ACQUIRE = ACQUIRE.replace("MAX_TOKEN", str(MAX_TOKEN))
+ACQUIRE = ACQUIRE.replace("MARKER_BLOCKS", str(MARKER_BLOCKS))
 FORCE_RELEASE = FORCE_RELEASE.replace("MAX_TOKEN", str(MAX_TOKEN))
 INSPECT = (BOUNDED + INSPECT).replace("MAX_VALUE", str(MAX_VALUE))
 

@@ -360,3 +360,25 @@ def blocking_pop(node: Node, key: str, seconds: float) -> bytes | None:
         return None
     popped: bytes = reply[1]
     return popped
+
+
+def time_left(node: Node, key: str) -> int:
+    """``PTTL key`` on this thread's connection to the node: ms left, -1 without an expiry,
+    -2 when missing. A waiter's look between two blocks (one command, not the acquire script).
+
+    Raises ``RedisError`` / ``OSError`` when the node cannot answer within its timeout.
+    """
+    node = node.route(key)
+    conn = node.connection()
+    try:
+        prepare(node, conn)
+        conn.send_command("PTTL", key)
+        if not conn.can_read(node.timeout):
+            raise RedisTimeoutError(f"PTTL on {node.shown} did not answer")
+        reply = conn.read_response()
+    except BaseException as exc:
+        conn.disconnect()
+        if node.owner is not None and isinstance(exc, RedisError):
+            cast(Cluster, node.owner).reload_later()
+        raise
+    return int(reply)

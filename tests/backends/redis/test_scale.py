@@ -21,6 +21,7 @@ import redis
 from celery_dlock.backends.redis.redlock import LockManager
 from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import LockContended
+from celery_dlock.core.lease import Lease
 from tests.support.clients import client
 
 DAY_MS = 86_400_000
@@ -344,7 +345,12 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "blocking"
         plains = [client(u) for u in urls]
-        deadline = time.monotonic() + 15  # the marker lasts the 3 s ttl plus 1 s
+        if nodes == 1:
+            # On one node, whose waiter looks again with a bare PTTL between blocks, the
+            # marker lasts MARKER_BLOCKS blocks of 3 s plus 1 s: its expiry is done by hand.
+            assert plains[0].delete("dlock:{paused}:waiting") == 1
+        # On Redlock the marker lasts the 3 s ttl plus 1 s.
+        deadline = time.monotonic() + 3 + 1 + 10
         while any(p.exists("dlock:{paused}:waiting") for p in plains):
             assert time.monotonic() < deadline, "the waiter marker never expired"
             time.sleep(0.05)
@@ -363,3 +369,208 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
         if child.stdout is not None:
             child.stdout.close()
         made.close()
+
+
+#: The holder's ttl in the look tests: each look comes at the latest this long after the one
+#: before. The test renews the key every RENEW_EVERY s, so only a stall of the test process
+#: longer than the difference (2.3 s) lets the holder expire under the waiter.
+LOOK_TTL_MS = 2400
+RENEW_EVERY = 0.1
+#: The holder's lease is taken for this long, and its key then kept at LOOK_TTL_MS by hand.
+#: A lease taken for LOOK_TTL_MS would run out of validity in this process while the test
+#: keeps its key: once a lease's validity has run out, this process deletes the key if it still
+#: holds the lease's nonce (the lease is lost, its key freed), and the waiter then got in. That
+#: happened only where an earlier test in the same process had started the thread that does it.
+HOLDER_TTL = 60
+
+
+class _Renewer:
+    """A thread that keeps ``key`` alive with a plain ``PEXPIRE`` (so every other command the
+    server counts is the waiter's) until stopped; it records whether the key ever went
+    missing and, if so, what the server and the thread saw then (the longest gap between two
+    renewals, the server's expired keys and the commands it ran since the start), so that a
+    failure says whether this process stalled or something took the key."""
+
+    def __init__(self, plain: redis.Redis, key: str) -> None:
+        self.plain = plain
+        self.key = key
+        self.stop = threading.Event()
+        self.missed = 0
+        self.last = time.monotonic()
+        self.longest_gap = 0.0
+        self.evidence = ""
+        self.start = _commands(plain)
+        self.expired = int(plain.info("stats")["expired_keys"])
+        assert plain.pexpire(key, LOOK_TTL_MS), f"{key} is not held"
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(RENEW_EVERY):
+            if self.plain.pexpire(self.key, LOOK_TTL_MS):
+                now = time.monotonic()
+                self.longest_gap = max(self.longest_gap, now - self.last)
+                self.last = now
+            else:
+                self.missed += 1
+                if not self.evidence:
+                    gap = time.monotonic() - self.last
+                    expired = int(self.plain.info("stats")["expired_keys"]) - self.expired
+                    self.evidence = (
+                        f"; {gap:.2f} s since the last renewal, {expired} keys expired since "
+                        f"the start, commands since: {_delta(self.plain, self.start)}"
+                    )
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def alive(self) -> str:
+        """The premise of a look test, as the failure message it needs."""
+        return (
+            f" (longest gap between renewals {self.longest_gap:.2f} s)" if not self.missed
+            else f" (the holder's key went missing{self.evidence})"
+        )  # fmt: skip
+
+
+def _blocked_once(plain: redis.Redis, before: dict[str, int]) -> None:
+    deadline = time.monotonic() + 10
+    while not _delta(plain, before).get("blpop", 0):
+        assert time.monotonic() < deadline, "the waiter never blocked"
+        time.sleep(0.02)
+
+
+def _looks(plain: redis.Redis, before: dict[str, int], looks: int, renewer: _Renewer) -> None:
+    """Return once the waiter blocked ``looks`` times more (each block ends at the latest one
+    ttl after the one before it)."""
+    deadline = time.monotonic() + looks * LOOK_TTL_MS / 1000 + 10
+    while _delta(plain, before).get("blpop", 0) < looks:
+        assert time.monotonic() < deadline, "the waiter stopped looking" + renewer.alive()
+        time.sleep(0.05)
+
+
+def test_a_waiter_looks_again_with_one_command_while_the_holder_renews(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # A waiter blocks until the expiry the holder's key showed it, then looks again. While
+    # the holder lives, that look is one PTTL (the BLPOP aside), not a full acquire script
+    # (EVALSHA STRLEN GET PTTL PTTL SET): the waiter marker lasts many blocks, and is set
+    # again only near its end.
+    plain = client(single_urls[0])
+    holder = manager.acquire("looked", ttl=HOLDER_TTL, renew=False)
+    renewer = _Renewer(plain, "dlock:{looked}")
+    done: list[bool] = []
+
+    def waiter() -> None:
+        manager.acquire("looked", ttl=5, wait=None, renew=False).release()
+        done.append(True)
+
+    thread = threading.Thread(target=waiter)
+    start = _commands(plain)
+    thread.start()
+    try:
+        _blocked_once(plain, start)
+        before = _commands(plain)
+        _looks(plain, before, 4, renewer)
+        seen = _delta(plain, before)
+    finally:
+        renewer.end()
+        plain.delete("dlock:{looked}")  # the holder is gone; the waiter gets in at its look
+        thread.join(10)
+        holder.release()
+    assert done == [True]
+    assert not renewer.missed, renewer.alive()
+    blocks = seen.pop("blpop")
+    # The test's own: INFO (these counts), PEXPIRE (the renewals), HELLO (a new connection).
+    waiter_sent = {k: v for k, v in seen.items() if k not in ("info", "pexpire", "hello")}
+    # One look between two blocks, and at most one full attempt (6 commands) in the window,
+    # where the marker is set again.
+    assert sum(waiter_sent.values()) <= blocks + 6, (blocks, waiter_sent)
+    assert waiter_sent.get("evalsha", 0) <= 1, (blocks, waiter_sent)
+
+
+def test_a_release_wakes_a_waiter_that_looked_with_pttl_for_longer_than_one_block(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # The waiter marker must outlast every block the waiter made after a bare PTTL look: a
+    # release after several of them still writes the wake-up, and the waiter takes it.
+    plain = client(single_urls[0])
+    holder = manager.acquire("woken", ttl=HOLDER_TTL, renew=False)
+    renewer = _Renewer(plain, "dlock:{woken}")
+    got: list[Lease] = []
+    thread = threading.Thread(target=lambda: got.append(manager.acquire("woken", ttl=1, wait=None)))
+    start = _commands(plain)
+    thread.start()
+    try:
+        _blocked_once(plain, start)
+        before = _commands(plain)
+        # Three blocks, about 7 s: a marker of one block (the holder's 2.4 s) plus 1 s, as
+        # every refusal set it before the waiter looked with PTTL, would be gone.
+        _looks(plain, before, 3, renewer)
+        looked = _delta(plain, before)
+        renewer.end()
+        before = _commands(plain)
+        holder.release()
+        pushed = _delta(plain, before).get("rpush", 0)
+        thread.join(10)
+        unclaimed = plain.llen("dlock:{woken}:signal")
+    finally:
+        renewer.end()
+        thread.join(10)
+        for lease in got:
+            lease.release()
+    assert not renewer.missed, renewer.alive()
+    assert looked.get("evalsha", 0) == 0, f"the waiter looked by full attempts: {looked}"
+    assert pushed == 1, "the release wrote no wake-up: the waiter marker was gone"
+    assert got, "the waiter never got the key"
+    assert unclaimed == 0, "the waiter did not take the wake-up"
+
+
+def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # The holder stops renewing (it died): the waiter's block ends at the expiry its last
+    # look saw, and it takes the key then, not a block of its own ttl (8 s) or a marker's
+    # life later.
+    plain = client(single_urls[0])
+    holder = manager.acquire("dies", ttl=HOLDER_TTL, renew=False)
+    renewer = _Renewer(plain, "dlock:{dies}")
+    got: list[float] = []
+
+    def waiter() -> None:
+        lease = manager.acquire("dies", ttl=8, wait=None, renew=False)
+        got.append(time.monotonic())
+        lease.release()
+
+    thread = threading.Thread(target=waiter)
+    start = _commands(plain)
+    thread.start()
+    try:
+        _blocked_once(plain, start)
+        _looks(plain, _commands(plain), 2, renewer)
+    finally:
+        renewer.end()
+    expiry = renewer.last + LOOK_TTL_MS / 1000  # the key expires by then at the latest
+    thread.join(30)
+    holder.release()  # the key is the waiter's now, or gone: this deletes nothing
+    assert not renewer.missed, renewer.alive()
+    assert got, "the waiter never got the dead holder's key"
+    # At the expiry plus the look's round trips; a block of the waiter's own ttl would be 8 s.
+    assert got[0] - expiry < 4, got[0] - expiry
+
+
+def test_a_waiter_marker_lasts_no_longer_than_the_wait_beyond_one_block(
+    single_urls: list[str], manager: LockManager
+) -> None:
+    # docs/guarantees.md: on one Redis a refusal's marker covers up to ten blocks, but not
+    # more than the caller's wait: a caller that waits half a second leaves no 5 s marker.
+    plain = client(single_urls[0])
+    holder = manager.acquire("brief", ttl=60, renew=False)  # a holder with a minute left
+    try:
+        with pytest.raises(LockContended):
+            manager.acquire("brief", ttl=5, wait=0.5, renew=False)
+        left = plain.pttl("dlock:{brief}:waiting")
+    finally:
+        holder.release()
+    # One block (the holder's minute) + the wait (0.5 s) + 1 s, from the last refusal.
+    assert 0 < left <= 60_000 + 500 + 1000, left
