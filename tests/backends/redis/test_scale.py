@@ -328,6 +328,12 @@ print("got", flush=True)
 """
 
 
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``T``: stopped by a signal), from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.mark.parametrize("nodes", [1, 3])
 def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
     nodes: int, single_urls: list[str], redlock_urls: list[str]
@@ -344,6 +350,11 @@ def test_a_waiter_paused_past_the_marker_still_gets_the_key_when_its_block_ends(
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "blocking"
+        # Stopped before going on: a SIGCONT sent before its SIGSTOP would be lost.
+        deadline = time.monotonic() + 10
+        while _process_state(child.pid) != "T":
+            assert time.monotonic() < deadline, "the waiter never stopped itself"
+            time.sleep(0.02)
         plains = [client(u) for u in urls]
         if nodes == 1:
             # On one node, whose waiter looks again with a bare PTTL between blocks, the
