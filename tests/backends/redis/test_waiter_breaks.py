@@ -9,6 +9,7 @@ redis-server, real threads and real processes at one of the promises of docs/gua
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -54,6 +55,9 @@ def _blocked(plain: object) -> int:
     return int(plain.info("clients")["blocked_clients"])  # type: ignore[attr-defined]
 
 
+#: The ttl of a holder that renews (or dies) while waiters look again: each of their blocks
+#: ends by its expiry.
+DEAD_TTL = 2.0
 #: The crowd's ttl: a waiter that missed its wake-up would sleep until the expiry its last
 #: look saw, up to this long; every hand-over must come far sooner.
 CROWD_TTL = 30
@@ -63,12 +67,13 @@ def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
     single_urls: list[str], manager: LockManager
 ) -> None:
     # docs/guarantees.md: one release wakes exactly one waiter (no herd), and no waiter polls.
-    # Sixteen threads wait on one key held for a minute; from the holder's release on, each
+    # Sixteen threads wait on one key whose holder renews a 2 s lease, until each has looked
+    # again with PTTL after a timed-out block; from the holder's release on, each
     # release must hand the key to the next waiter at once (a lost wake-up would leave the
     # rest asleep until the expiry their last look saw, up to CROWD_TTL), and the server must
     # see one acquire attempt per hand-over, not one per waiter.
     plain = client(single_urls[0])
-    holder = manager.acquire("crowd", ttl=60, renew=False)
+    holder = manager.acquire("crowd", ttl=DEAD_TTL)  # renewed by this process's watchdog
     events: list[tuple[str, float]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -82,14 +87,21 @@ def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
             with lock:
                 events.append(("released", time.monotonic()))
             lease.release()
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=waiter) for _ in range(16)]
     for thread in threads:
         thread.start()
     try:
+        start = _commands(plain)
         _wait_until("the sixteen waiters never all blocked", lambda: _blocked(plain) >= 16, 30)
+        # Each block ends by the holder's expiry (DEAD_TTL): a second block each is a look.
+        _wait_until(
+            "the waiters never looked again",
+            lambda: _delta(plain, start).get("blpop", 0) >= 2 * 16 and _blocked(plain) >= 16,
+            2 * DEAD_TTL + 30,
+        )
         before = _commands(plain)
         with lock:
             events.append(("released", time.monotonic()))
@@ -104,7 +116,10 @@ def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
     assert len(gots) == 16, f"only {len(gots)} of 16 waiters got the key"
     # Each hand-over: from a release to the next acquisition. A missed wake-up costs the
     # rest of a block, i.e. up to CROWD_TTL.
-    gaps = [b[1] - a[1] for a, b in zip(events, events[1:]) if a[0] == "released"]
+    # Never two holders at once: "got" and "released" alternate, from the holder's release.
+    kinds = [what for what, _ in events]
+    assert kinds == ["released", "got"] * 16 + ["released"], kinds
+    gaps = [b[1] - a[1] for a, b in itertools.pairwise(events) if a[0] == "released"]
     assert max(gaps) < CROWD_TTL / 3, f"a hand-over took {max(gaps):.1f} s: {gaps}"
     # 17 releases (EVALSHA of RELEASE, each one RPUSH while someone waits) and 16 winning
     # attempts; a herd would add an attempt per waiter per release (over a hundred).
@@ -123,7 +138,6 @@ lease = manager.acquire(sys.argv[1], ttl=2)
 print("held", flush=True)
 threading.Event().wait()
 """
-DEAD_TTL = 2.0
 
 
 def _holder_process(key: str, urls: list[str]) -> subprocess.Popen[str]:
@@ -169,7 +183,7 @@ def test_a_killed_holders_waiters_get_the_key_at_its_expiry_and_a_short_wait_end
         begun = time.monotonic()
         try:
             manager.acquire("dead", ttl=8, wait=3, renew=False).release()
-        except BaseException as exc:  # noqa: BLE001 - the assertion says what it was
+        except BaseException as exc:
             gave_up.append((exc, time.monotonic() - begun))
 
     threads = [threading.Thread(target=patient), threading.Thread(target=impatient)]
@@ -240,7 +254,8 @@ def test_a_waiter_paused_right_after_a_look_gets_the_key_within_one_block(
     try:
         assert child.stdout is not None
         line = child.stdout.readline().split()
-        assert line[0] == "looked" and 0 < int(line[1]) <= DEAD_TTL * 1000, line
+        assert line[0] == "looked", line
+        assert 0 < int(line[1]) <= DEAD_TTL * 1000, line
         # It printed before stopping itself: a SIGCONT sent before the stop would be lost.
         _wait_until("the waiter never stopped", lambda: _state(child.pid) == "T", 10)
         if marker == "gone":
@@ -262,11 +277,11 @@ def test_a_waiter_paused_right_after_a_look_gets_the_key_within_one_block(
 def test_a_forced_release_mid_wait_wakes_one_waiter_and_the_other_follows(
     single_urls: list[str], manager: LockManager
 ) -> None:
-    # `celery dlock release` (force_release) frees a key held for a minute while two waiters
-    # look again with PTTL: one is woken at once (not at the minute's end), and the other
-    # gets the key when the first releases it.
+    # `celery dlock release` (force_release) frees a key whose holder renews it while two
+    # waiters (ttl=60) look again with PTTL: one is woken at once, and the other gets the key
+    # when the first releases it, not at the end of a block of the first one's minute.
     plain = client(single_urls[0])
-    held = manager.acquire("forced", ttl=60, renew=False)
+    held = manager.acquire("forced", ttl=DEAD_TTL)  # renewed by this process's watchdog
     got: list[float] = []
     lock = threading.Lock()
 
@@ -280,7 +295,12 @@ def test_a_forced_release_mid_wait_wakes_one_waiter_and_the_other_follows(
     for thread in threads:
         thread.start()
     try:
-        _wait_until("the waiters never blocked", lambda: _blocked(plain) >= 2, 30)
+        start = _commands(plain)
+        _wait_until(
+            "the waiters never looked again",
+            lambda: _delta(plain, start).get("blpop", 0) >= 2 * 2 and _blocked(plain) >= 2,
+            2 * DEAD_TTL + 30,
+        )
         holder = manager.holder("forced")
         assert holder is not None
         forced = time.monotonic()
