@@ -58,9 +58,9 @@ def _blocked(plain: object) -> int:
 #: The ttl of a holder that renews (or dies) while waiters look again: each of their blocks
 #: ends by its expiry.
 DEAD_TTL = 2.0
-#: The crowd's ttl: a waiter that missed its wake-up would sleep until the expiry its last
-#: look saw, up to this long; every hand-over must come far sooner.
-CROWD_TTL = 30
+#: The crowd's ttl, below the holder's: each waiter's block then lasts the holder's time left,
+#: and its marker is counted in those blocks (a longer ttl would stretch it).
+CROWD_TTL = 1
 
 
 def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
@@ -68,10 +68,11 @@ def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
 ) -> None:
     # docs/guarantees.md: one release wakes exactly one waiter (no herd), and no waiter polls.
     # Sixteen threads wait on one key whose holder renews a 2 s lease, until each has looked
-    # again with PTTL after a timed-out block; from the holder's release on, each
-    # release must hand the key to the next waiter at once (a lost wake-up would leave the
-    # rest asleep until the expiry their last look saw, up to CROWD_TTL), and the server must
-    # see one acquire attempt per hand-over, not one per waiter.
+    # again with PTTL after timed-out blocks; the waiter marker must outlast those looks, so
+    # that from the holder's release on each release writes one wake-up and hands the key to
+    # the next waiter, and the server sees one acquire attempt per hand-over, not one per
+    # waiter. (Seen failing with MARKER_BLOCKS = 1 and no marker check in _look_again: the
+    # marker was gone, -2, when the holder released.)
     plain = client(single_urls[0])
     holder = manager.acquire("crowd", ttl=DEAD_TTL)  # renewed by this process's watchdog
     events: list[tuple[str, float]] = []
@@ -96,34 +97,38 @@ def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
     try:
         start = _commands(plain)
         _wait_until("the sixteen waiters never all blocked", lambda: _blocked(plain) >= 16, 30)
-        # Each block ends by the holder's expiry (DEAD_TTL): a second block each is a look.
+        # Each block ends by the holder's expiry (DEAD_TTL), then a PTTL look: four blocks
+        # each, longer than a marker of one block plus a second (3 s) would last.
         _wait_until(
             "the waiters never looked again",
-            lambda: _delta(plain, start).get("blpop", 0) >= 2 * 16 and _blocked(plain) >= 16,
-            2 * DEAD_TTL + 30,
+            lambda: _delta(plain, start).get("blpop", 0) >= 4 * 16 and _blocked(plain) >= 16,
+            4 * DEAD_TTL + 30,
         )
+        marker_left = plain.pttl("dlock:{crowd}:waiting")
         before = _commands(plain)
         with lock:
             events.append(("released", time.monotonic()))
         holder.release()
         for thread in threads:
-            thread.join(16 * CROWD_TTL)
+            thread.join(16 * DEAD_TTL + 10)
         seen = _delta(plain, before)
     finally:
         holder.release()
     assert not errors, errors
+    assert marker_left > 0, "the waiter marker expired while the waiters looked with PTTL"
     gots = [t for what, t in events if what == "got"]
     assert len(gots) == 16, f"only {len(gots)} of 16 waiters got the key"
-    # Each hand-over: from a release to the next acquisition. A missed wake-up costs the
-    # rest of a block, i.e. up to CROWD_TTL.
+    # Each hand-over: from a release to the next acquisition; a missed wake-up costs the rest
+    # of a block (up to DEAD_TTL after the holder's release), and shows in the counts below.
     # Never two holders at once: "got" and "released" alternate, from the holder's release.
     kinds = [what for what, _ in events]
     assert kinds == ["released", "got"] * 16 + ["released"], kinds
     gaps = [b[1] - a[1] for a, b in itertools.pairwise(events) if a[0] == "released"]
-    assert max(gaps) < CROWD_TTL / 3, f"a hand-over took {max(gaps):.1f} s: {gaps}"
-    # 17 releases (EVALSHA of RELEASE, each one RPUSH while someone waits) and 16 winning
-    # attempts; a herd would add an attempt per waiter per release (over a hundred).
-    assert seen.get("rpush", 0) <= 17, seen
+    assert max(gaps) < DEAD_TTL, f"a hand-over took {max(gaps):.1f} s: {gaps}"
+    # 17 releases (EVALSHA of RELEASE), each writing one wake-up (RPUSH: the marker outlasted
+    # the looks), and 16 winning attempts; a herd would add an attempt per waiter per release
+    # (over a hundred), a marker gone before the holder's release fifteen refusals.
+    assert seen.get("rpush", 0) == 17, seen
     assert seen.get("evalsha", 0) <= 17 + 16 + 8, seen
 
 
