@@ -25,6 +25,7 @@ from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import LockContended
 from celery_dlock.core.lease import Lease
 from tests.support.clients import client
+from tests.support.cluster import Cluster, redis_cluster
 
 
 @pytest.fixture
@@ -316,3 +317,53 @@ def test_a_forced_release_mid_wait_wakes_one_waiter_and_the_other_follows(
         held.release()
     assert len(got) == 2, got
     assert max(got) - forced < 60 / 6, [t - forced for t in got]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with redis_cluster(3) as started:
+        yield started
+
+
+def test_on_a_cluster_a_release_after_pttl_looks_wakes_the_waiter(cluster: Cluster) -> None:
+    # Redis Cluster waiters look again with PTTL too (on the master of the key's slot): after
+    # four blocks of looks at a renewing holder, its marker is still there, the release
+    # writes one wake-up there, and the waiter takes the key at once, not at a block's end.
+    cluster.flush()
+    manager = LockManager(Settings(urls=[cluster.url]))
+    owner = next(m for m in cluster.masters if m.port == cluster.owner("dlock:{shard}"))
+    plain = cluster.client(owner)
+    holder = manager.acquire("shard", ttl=DEAD_TTL)  # renewed by this process's watchdog
+    got: list[float] = []
+
+    def waiter() -> None:
+        lease = manager.acquire("shard", ttl=1, wait=None, renew=False)
+        got.append(time.monotonic())
+        lease.release()
+
+    thread = threading.Thread(target=waiter)
+    start = _commands(plain)
+    thread.start()
+    try:
+        _wait_until(
+            "the waiter never looked again",
+            lambda: _delta(plain, start).get("blpop", 0) >= 4 and _blocked(plain) >= 1,
+            4 * DEAD_TTL + 30,
+        )
+        looked = _delta(plain, start)
+        marker_left = plain.pttl("dlock:{shard}:waiting")
+        before = _commands(plain)
+        released = time.monotonic()
+        holder.release()
+        thread.join(DEAD_TTL + 10)
+        pushed = _delta(plain, before).get("rpush", 0)
+    finally:
+        holder.release()
+        plain.close()
+        manager.close()
+    assert looked.get("pttl", 0) >= 3, looked
+    assert marker_left > 0, "the waiter marker expired while the waiter looked with PTTL"
+    assert pushed >= 1, "the release wrote no wake-up"
+    assert got, "the waiter never got the key"
+    # A block ends by the holder's expiry (DEAD_TTL): woken by the release, it is far sooner.
+    assert got[0] - released < DEAD_TTL / 2, got[0] - released
