@@ -16,9 +16,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+import redis
 
 from celery_dlock.backends.redis.redlock import LockManager
 from celery_dlock.core.config import Settings
@@ -35,25 +36,25 @@ def manager(single_urls: list[str]) -> Iterator[LockManager]:
     made.close()
 
 
-def _commands(plain: object) -> dict[str, int]:
-    stats = plain.info("commandstats")  # type: ignore[attr-defined]
+def _commands(plain: redis.Redis) -> dict[str, int]:
+    stats = plain.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
 
-def _delta(plain: object, before: dict[str, int]) -> dict[str, int]:
+def _delta(plain: redis.Redis, before: dict[str, int]) -> dict[str, int]:
     now = _commands(plain)
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
-def _wait_until(what: str, done: object, seconds: float) -> None:
+def _wait_until(what: str, done: Callable[[], bool], seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    while not done():  # type: ignore[operator]
+    while not done():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
 
 
-def _blocked(plain: object) -> int:
-    return int(plain.info("clients")["blocked_clients"])  # type: ignore[attr-defined]
+def _blocked(plain: redis.Redis) -> int:
+    return int(plain.info("clients")["blocked_clients"])
 
 
 #: The ttl of a holder that renews (or dies) while waiters look again: each of their blocks
