@@ -213,7 +213,9 @@ def test_a_killed_holders_waiters_get_the_key_at_its_expiry_and_a_short_wait_end
         _end(child)
     exc, took = gave_up[0]
     assert isinstance(exc, LockContended), repr(exc)
-    assert 3 <= took < 3 + 1, f"wait=3 gave up after {took:.2f} s"
+    # Not past the wait by more than a stall of this busy host could explain (a block decided
+    # without the wait's end would overrun it by up to DEAD_TTL).
+    assert 3 <= took < 3 + 1.5, f"wait=3 gave up after {took:.2f} s"
     assert got, "the patient waiter never got the dead holder's key"
     # The key expires by killed + DEAD_TTL; a block of the waiter's own ttl would be 8 s.
     assert got[0] - killed < 2 * DEAD_TTL, got[0] - killed
@@ -277,8 +279,9 @@ def test_a_waiter_paused_right_after_a_look_gets_the_key_within_one_block(
     finally:
         holder.release()
         _end(child)
-    # The block the look decided on ends by DEAD_TTL after the look.
-    assert took < DEAD_TTL + 1, took
+    # The block the look decided on ends by DEAD_TTL after the look (a block of the waiter's
+    # own ttl would be 8 s).
+    assert took < DEAD_TTL + 2, took
 
 
 def test_a_forced_release_mid_wait_wakes_one_waiter_and_the_other_follows(
@@ -367,4 +370,4 @@ def test_on_a_cluster_a_release_after_pttl_looks_wakes_the_waiter(cluster: Clust
     assert pushed >= 1, "the release wrote no wake-up"
     assert got, "the waiter never got the key"
     # A block ends by the holder's expiry (DEAD_TTL): woken by the release, it is far sooner.
-    assert got[0] - released < DEAD_TTL / 2, got[0] - released
+    assert got[0] - released < DEAD_TTL * 0.75, got[0] - released
