@@ -64,27 +64,22 @@ def make_app(lock_url: str, backend_url: str) -> tuple[Celery, dict[str, Any]]:
         floor_client.set(f"path:floor:{n}", "1", nx=True, px=30000)
         return n
 
-    releasing = ReleasingFloor(lock_url)
+    def between(name: str, around: ReleasingFloor | FencedFloor) -> Any:
+        """A task whose body runs between ``around.take`` and ``around.give_back`` of its key."""
 
-    @app.task(name="path.floor_release")
-    def floor_release(n: int) -> int:
-        key = f"path:floor-release:{n}"
-        releasing.take(key)
-        try:
-            return n
-        finally:
-            releasing.give_back(key)
+        @app.task(name=f"path.{name}")
+        def task(n: int) -> int:
+            key = f"path:{name}:{n}"
+            around.take(key)
+            try:
+                return n
+            finally:
+                around.give_back(key)
 
-    fenced = FencedFloor(lock_url)
+        return task
 
-    @app.task(name="path.floor_fenced")
-    def floor_fenced(n: int) -> int:
-        key = f"path:floor-fenced:{n}"
-        fenced.take(key)
-        try:
-            return n
-        finally:
-            fenced.give_back(key)
+    floor_release = between("floor_release", ReleasingFloor(lock_url))
+    floor_fenced = between("floor_fenced", FencedFloor(lock_url))
 
     @app.task(name="path.dlock", base=SingletonTask)
     def dlock(n: int) -> int:

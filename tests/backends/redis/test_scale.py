@@ -23,6 +23,7 @@ from celery_dlock.core.config import Settings
 from celery_dlock.core.errors import LockContended
 from celery_dlock.core.lease import Lease
 from tests.support.clients import client
+from tests.support.waiting import command_counts, commands_since, taking_thread
 
 DAY_MS = 86_400_000
 
@@ -45,11 +46,6 @@ def test_a_released_key_leaves_nothing_a_day_later(
     assert left, "expected the fence counters to be there right after"
     lasting = {name: ttl for name, ttl in left.items() if ttl == -1 or ttl > DAY_MS}
     assert not lasting, f"keys that outlive a day after release: {lasting}"
-
-
-def _commands(plain: redis.Redis) -> dict[str, int]:
-    stats = plain.info("commandstats")
-    return {name[8:]: int(stat["calls"]) for name, stat in stats.items()}
 
 
 def test_renewing_many_leases_never_holds_the_server_for_more_than_200_of_them(
@@ -105,19 +101,14 @@ def test_a_waiting_thread_uses_one_server_connection(
     assert len(opened) == 1, f"connections the waiting thread opened: {opened}"
 
 
-def _delta(plain: redis.Redis, before: dict[str, int]) -> dict[str, int]:
-    after = _commands(plain)
-    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
-
-
 def test_nobody_waiting_a_release_writes_no_wake_up_and_a_refusal_writes_nothing(
     single_urls: list[str], manager: LockManager
 ) -> None:
     plain = client(single_urls[0])
     manager.acquire("warm", ttl=5, renew=False).release()  # scripts cached, connection open
-    before = _commands(plain)
+    before = command_counts(plain)
     manager.acquire("quiet", ttl=5, renew=False).release()
-    cycle = _delta(plain, before)
+    cycle = commands_since(plain, before)
     assert plain.exists("dlock:{quiet}:signal") == 0, "a wake-up written for nobody"
     # acquire: EVALSHA STRLEN GET EXISTS GET TIME SET SET (STRLEN: the value's size is known
     # before it is read, so a huge foreign value is never copied whole); release: EVALSHA GET
@@ -125,10 +116,10 @@ def test_nobody_waiting_a_release_writes_no_wake_up_and_a_refusal_writes_nothing
     assert sum(cycle.values()) - cycle.get("info", 0) == 12, cycle
     holder = manager.acquire("hot", ttl=5, renew=False)
     try:
-        before = _commands(plain)
+        before = command_counts(plain)
         with pytest.raises(LockContended):
             manager.acquire("hot", ttl=5, wait=0, renew=False)
-        refusal = _delta(plain, before)
+        refusal = commands_since(plain, before)
     finally:
         holder.release()
     # EVALSHA STRLEN GET PTTL: no void marker read, nothing written
@@ -146,14 +137,7 @@ def test_a_waiter_is_woken_by_the_release_not_by_its_timeout(
     # The release wakes a waiter only while a refusal's waiter marker says one may be
     # blocked: the waiter must get in long before the holder's ttl would have let it.
     holder = manager.acquire("handed", ttl=60, renew=False)
-    got: list[float] = []
-
-    def waiter() -> None:
-        lease = manager.acquire("handed", ttl=5, wait=60, renew=False)
-        got.append(time.monotonic())
-        lease.release()
-
-    thread = threading.Thread(target=waiter)
+    thread, got = taking_thread(manager, "handed", ttl=5, wait=60, renew=False)
     thread.start()
     plain = client(single_urls[0])
     deadline = time.monotonic() + 10
@@ -173,10 +157,11 @@ def test_redlock_writes_a_fence_back_only_to_nodes_below_the_token(
     try:
         made.acquire("warm", ttl=5, renew=False).release()
         plains = [client(u) for u in redlock_urls]
-        before = [_commands(p) for p in plains]
+        before = [command_counts(p) for p in plains]
         # A fresh key: every node starts its counter at its own clock, so they disagree.
         lease = made.acquire("fresh", ttl=5, renew=False)
-        scripts = [_delta(p, b).get("evalsha", 0) for p, b in zip(plains, before, strict=True)]
+        pairs = zip(plains, before, strict=True)
+        scripts = [commands_since(p, b).get("evalsha", 0) for p, b in pairs]
         lease.release()
     finally:
         made.close()
@@ -410,7 +395,7 @@ class _Renewer:
         self.last = time.monotonic()
         self.longest_gap = 0.0
         self.evidence = ""
-        self.start = _commands(plain)
+        self.start = command_counts(plain)
         self.expired = int(plain.info("stats")["expired_keys"])
         assert plain.pexpire(key, LOOK_TTL_MS), f"{key} is not held"
         self.thread = threading.Thread(target=self._run)
@@ -429,7 +414,7 @@ class _Renewer:
                     expired = int(self.plain.info("stats")["expired_keys"]) - self.expired
                     self.evidence = (
                         f"; {gap:.2f} s since the last renewal, {expired} keys expired since "
-                        f"the start, commands since: {_delta(self.plain, self.start)}"
+                        f"the start, commands since: {commands_since(self.plain, self.start)}"
                     )
 
     def end(self) -> None:
@@ -446,7 +431,7 @@ class _Renewer:
 
 def _blocked_once(plain: redis.Redis, before: dict[str, int]) -> None:
     deadline = time.monotonic() + 10
-    while not _delta(plain, before).get("blpop", 0):
+    while not commands_since(plain, before).get("blpop", 0):
         assert time.monotonic() < deadline, "the waiter never blocked"
         time.sleep(0.02)
 
@@ -455,7 +440,7 @@ def _looks(plain: redis.Redis, before: dict[str, int], looks: int, renewer: _Ren
     """Return once the waiter blocked ``looks`` times more (each block ends at the latest one
     ttl after the one before it)."""
     deadline = time.monotonic() + looks * LOOK_TTL_MS / 1000 + 10
-    while _delta(plain, before).get("blpop", 0) < looks:
+    while commands_since(plain, before).get("blpop", 0) < looks:
         assert time.monotonic() < deadline, "the waiter stopped looking" + renewer.alive()
         time.sleep(0.05)
 
@@ -477,13 +462,13 @@ def test_a_waiter_looks_again_with_one_command_while_the_holder_renews(
         done.append(True)
 
     thread = threading.Thread(target=waiter)
-    start = _commands(plain)
+    start = command_counts(plain)
     thread.start()
     try:
         _blocked_once(plain, start)
-        before = _commands(plain)
+        before = command_counts(plain)
         _looks(plain, before, 4, renewer)
-        seen = _delta(plain, before)
+        seen = commands_since(plain, before)
     finally:
         renewer.end()
         plain.delete("dlock:{looked}")  # the holder is gone; the waiter gets in at its look
@@ -510,19 +495,19 @@ def test_a_release_wakes_a_waiter_that_looked_with_pttl_for_longer_than_one_bloc
     renewer = _Renewer(plain, "dlock:{woken}")
     got: list[Lease] = []
     thread = threading.Thread(target=lambda: got.append(manager.acquire("woken", ttl=1, wait=None)))
-    start = _commands(plain)
+    start = command_counts(plain)
     thread.start()
     try:
         _blocked_once(plain, start)
-        before = _commands(plain)
+        before = command_counts(plain)
         # Three blocks, about 7 s: a marker of one block (the holder's 2.4 s) plus 1 s, as
         # every refusal set it before the waiter looked with PTTL, would be gone.
         _looks(plain, before, 3, renewer)
-        looked = _delta(plain, before)
+        looked = commands_since(plain, before)
         renewer.end()
-        before = _commands(plain)
+        before = command_counts(plain)
         holder.release()
-        pushed = _delta(plain, before).get("rpush", 0)
+        pushed = commands_since(plain, before).get("rpush", 0)
         thread.join(10)
         unclaimed = plain.llen("dlock:{woken}:signal")
     finally:
@@ -546,19 +531,12 @@ def test_a_waiter_that_looked_with_pttl_gets_a_dead_holders_key_at_its_expiry(
     plain = client(single_urls[0])
     holder = manager.acquire("dies", ttl=HOLDER_TTL, renew=False)
     renewer = _Renewer(plain, "dlock:{dies}")
-    got: list[float] = []
-
-    def waiter() -> None:
-        lease = manager.acquire("dies", ttl=8, wait=None, renew=False)
-        got.append(time.monotonic())
-        lease.release()
-
-    thread = threading.Thread(target=waiter)
-    start = _commands(plain)
+    thread, got = taking_thread(manager, "dies", ttl=8, wait=None, renew=False)
+    start = command_counts(plain)
     thread.start()
     try:
         _blocked_once(plain, start)
-        _looks(plain, _commands(plain), 2, renewer)
+        _looks(plain, command_counts(plain), 2, renewer)
     finally:
         renewer.end()
     expiry = renewer.last + LOOK_TTL_MS / 1000  # the key expires by then at the latest

@@ -27,6 +27,7 @@ from celery_dlock.core.errors import LockContended
 from celery_dlock.core.lease import Lease
 from tests.support.clients import client
 from tests.support.cluster import Cluster, redis_cluster
+from tests.support.waiting import command_counts, commands_since, taking_thread
 
 
 @pytest.fixture
@@ -34,16 +35,6 @@ def manager(single_urls: list[str]) -> Iterator[LockManager]:
     made = LockManager(Settings(urls=single_urls))
     yield made
     made.close()
-
-
-def _commands(plain: redis.Redis) -> dict[str, int]:
-    stats = plain.info("commandstats")
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
-
-
-def _delta(plain: redis.Redis, before: dict[str, int]) -> dict[str, int]:
-    now = _commands(plain)
-    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 def _wait_until(what: str, done: Callable[[], bool], seconds: float) -> None:
@@ -97,23 +88,25 @@ def test_sixteen_waiters_are_each_woken_by_one_release_and_nobody_is_stuck(
     for thread in threads:
         thread.start()
     try:
-        start = _commands(plain)
+        start = command_counts(plain)
         _wait_until("the sixteen waiters never all blocked", lambda: _blocked(plain) >= 16, 30)
         # Each block ends by the holder's expiry (DEAD_TTL), then a PTTL look: four blocks
         # each, longer than a marker of one block plus a second (3 s) would last.
         _wait_until(
             "the waiters never looked again",
-            lambda: _delta(plain, start).get("blpop", 0) >= 4 * 16 and _blocked(plain) >= 16,
+            lambda: (
+                commands_since(plain, start).get("blpop", 0) >= 4 * 16 and _blocked(plain) >= 16
+            ),
             4 * DEAD_TTL + 30,
         )
         marker_left = plain.pttl("dlock:{crowd}:waiting")
-        before = _commands(plain)
+        before = command_counts(plain)
         with lock:
             events.append(("released", time.monotonic()))
         holder.release()
         for thread in threads:
             thread.join(16 * DEAD_TTL + 10)
-        seen = _delta(plain, before)
+        seen = commands_since(plain, before)
     finally:
         holder.release()
     assert not errors, errors
@@ -194,7 +187,7 @@ def test_a_killed_holders_waiters_get_the_key_at_its_expiry_and_a_short_wait_end
             gave_up.append((exc, time.monotonic() - begun))
 
     threads = [threading.Thread(target=patient), threading.Thread(target=impatient)]
-    start = _commands(plain)
+    start = command_counts(plain)
     try:
         for thread in threads:
             thread.start()
@@ -202,7 +195,7 @@ def test_a_killed_holders_waiters_get_the_key_at_its_expiry_and_a_short_wait_end
         # holder renews every 2/3 s, so each block ends within 2 s).
         _wait_until(
             "the waiters never looked again",
-            lambda: _delta(plain, start).get("blpop", 0) >= 4 and len(gave_up) == 1,
+            lambda: commands_since(plain, start).get("blpop", 0) >= 4 and len(gave_up) == 1,
             3 * DEAD_TTL + 10,
         )
         killed = time.monotonic()
@@ -305,10 +298,10 @@ def test_a_forced_release_mid_wait_wakes_one_waiter_and_the_other_follows(
     for thread in threads:
         thread.start()
     try:
-        start = _commands(plain)
+        start = command_counts(plain)
         _wait_until(
             "the waiters never looked again",
-            lambda: _delta(plain, start).get("blpop", 0) >= 2 * 2 and _blocked(plain) >= 2,
+            lambda: commands_since(plain, start).get("blpop", 0) >= 2 * 2 and _blocked(plain) >= 2,
             2 * DEAD_TTL + 30,
         )
         holder = manager.holder("forced")
@@ -338,29 +331,22 @@ def test_on_a_cluster_a_release_after_pttl_looks_wakes_the_waiter(cluster: Clust
     owner = next(m for m in cluster.masters if m.port == cluster.owner("dlock:{shard}"))
     plain = cluster.client(owner)
     holder = manager.acquire("shard", ttl=DEAD_TTL)  # renewed by this process's watchdog
-    got: list[float] = []
-
-    def waiter() -> None:
-        lease = manager.acquire("shard", ttl=1, wait=None, renew=False)
-        got.append(time.monotonic())
-        lease.release()
-
-    thread = threading.Thread(target=waiter)
-    start = _commands(plain)
+    thread, got = taking_thread(manager, "shard", ttl=1, wait=None, renew=False)
+    start = command_counts(plain)
     thread.start()
     try:
         _wait_until(
             "the waiter never looked again",
-            lambda: _delta(plain, start).get("blpop", 0) >= 4 and _blocked(plain) >= 1,
+            lambda: commands_since(plain, start).get("blpop", 0) >= 4 and _blocked(plain) >= 1,
             4 * DEAD_TTL + 30,
         )
-        looked = _delta(plain, start)
+        looked = commands_since(plain, start)
         marker_left = plain.pttl("dlock:{shard}:waiting")
-        before = _commands(plain)
+        before = command_counts(plain)
         released = time.monotonic()
         holder.release()
         thread.join(DEAD_TTL + 10)
-        pushed = _delta(plain, before).get("rpush", 0)
+        pushed = commands_since(plain, before).get("rpush", 0)
     finally:
         holder.release()
         plain.close()
